@@ -1,0 +1,23 @@
+"""Eviction policies for the spoke's block store (sans-I/O).
+
+``make_policy("lru")`` builds one by name; ``POLICIES`` lists every registered policy.
+See ``spokefs.policy.eviction`` for the rules a store and a policy agree on.
+"""
+
+from spokefs.policy.eviction import (
+    POLICIES,
+    BlockKey,
+    EvictionPolicy,
+    LRUPolicy,
+    make_policy,
+    register_policy,
+)
+
+__all__ = [
+    "POLICIES",
+    "BlockKey",
+    "EvictionPolicy",
+    "LRUPolicy",
+    "make_policy",
+    "register_policy",
+]

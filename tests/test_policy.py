@@ -1,0 +1,225 @@
+"""Eviction policies: one suite over the registry, then what each policy adds."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from spokefs.errors import ConfigError
+from spokefs.policy import POLICIES, BlockKey, EvictionPolicy, make_policy
+
+MiB = 1 << 20
+
+
+def k(i: int, version: str = "v") -> BlockKey:
+    return (version, i)
+
+
+@pytest.fixture(params=sorted(POLICIES))
+def policy(request: pytest.FixtureRequest) -> EvictionPolicy:
+    return make_policy(request.param)
+
+
+def fill(policy: EvictionPolicy, n: int, size: int = MiB) -> None:
+    for i in range(n):
+        policy.insert(k(i), size)
+
+
+def drain(policy: EvictionPolicy) -> list[BlockKey]:
+    """Evict everything the way the store does; returns the victims in order."""
+    out = []
+    while (key := policy.victim()) is not None:
+        assert key in policy
+        out.append(key)
+        policy.remove(key)
+    return out
+
+
+# -- the shared contract ------------------------------------------------------------------
+
+
+def test_registry_and_protocol(policy: EvictionPolicy) -> None:
+    assert isinstance(policy, EvictionPolicy)
+    assert POLICIES[policy.name] is type(policy)
+
+
+def test_unknown_policy_names_the_known_ones() -> None:
+    with pytest.raises(ConfigError) as exc:
+        make_policy("nope")
+    for name in POLICIES:
+        assert name in str(exc.value)
+
+
+def test_empty(policy: EvictionPolicy) -> None:
+    assert len(policy) == 0
+    assert policy.victim() is None
+    assert k(1) not in policy
+    assert "not a key" not in policy
+    policy.remove(k(1))  # unknown: no-op
+    policy.access(k(1))  # unknown: no-op
+    policy.unpin(k(1))  # not pinned: no-op
+    assert len(policy) == 0
+
+
+def test_insert_contains_len(policy: EvictionPolicy) -> None:
+    fill(policy, 5)
+    assert len(policy) == 5
+    assert all(k(i) in policy for i in range(5))
+    policy.insert(k(2), 2 * MiB)  # re-insert: still one entry
+    assert len(policy) == 5
+
+
+def test_victim_is_stable_and_resident(policy: EvictionPolicy) -> None:
+    fill(policy, 10)
+    v = policy.victim()
+    assert v is not None and v in policy
+    assert policy.victim() == v  # no change in between: same answer
+    assert len(policy) == 10  # victim() does not remove
+
+
+def test_remove_is_idempotent(policy: EvictionPolicy) -> None:
+    fill(policy, 3)
+    policy.remove(k(1))
+    policy.remove(k(1))
+    assert len(policy) == 2 and k(1) not in policy
+    assert sorted(drain(policy)) == [k(0), k(2)]
+    assert len(policy) == 0
+
+
+def test_drain_evicts_each_block_once(policy: EvictionPolicy) -> None:
+    fill(policy, 50)
+    for i in range(0, 50, 3):
+        policy.access(k(i))
+    victims = drain(policy)
+    assert sorted(victims) == [k(i) for i in range(50)]
+
+
+def test_pinned_never_victim(policy: EvictionPolicy) -> None:
+    fill(policy, 4)
+    for i in range(4):
+        policy.pin(k(i))
+    assert policy.victim() is None
+    policy.unpin(k(2))
+    assert policy.victim() == k(2)
+
+
+def test_pin_before_arrival_is_remembered(policy: EvictionPolicy) -> None:
+    policy.pin(k(7))
+    policy.insert(k(7), MiB)
+    policy.insert(k(8), MiB)
+    assert drain(policy) == [k(8)]
+    assert k(7) in policy
+    policy.unpin(k(7))
+    assert drain(policy) == [k(7)]
+
+
+def test_pins_nest(policy: EvictionPolicy) -> None:
+    fill(policy, 1)
+    policy.pin(k(0))
+    policy.pin(k(0))
+    policy.unpin(k(0))
+    assert policy.victim() is None
+    policy.unpin(k(0))
+    assert policy.victim() == k(0)
+
+
+def test_remove_keeps_pin(policy: EvictionPolicy) -> None:
+    # A corrupt pinned block is dropped and fetched again: it must come back pinned.
+    fill(policy, 2)
+    policy.pin(k(0))
+    policy.remove(k(0))
+    assert k(0) not in policy
+    policy.insert(k(0), MiB)
+    assert drain(policy) == [k(1)]
+
+
+def test_access_of_pinned_and_unknown_is_harmless(policy: EvictionPolicy) -> None:
+    fill(policy, 3)
+    policy.pin(k(1))
+    policy.access(k(1))
+    policy.access(k(99))
+    assert k(1) not in drain(policy)
+
+
+@pytest.mark.parametrize("seed", [1, 2, 3])
+def test_capacity_simulation(policy: EvictionPolicy, seed: int) -> None:
+    """Random reads, pins and purges through a store model: capacity holds, victims valid."""
+    rng = random.Random(seed)
+    capacity = 40 * MiB
+    sizes = {i: rng.choice([MiB // 4, MiB, 2 * MiB, 4 * MiB]) for i in range(200)}
+    resident: dict[BlockKey, int] = {}
+    pinned: dict[BlockKey, int] = {}
+    used = 0
+    hits = 0
+    for _ in range(5000):
+        i = int(rng.paretovariate(1.2)) % 200 if rng.random() < 0.7 else rng.randrange(200)
+        key = k(i)
+        op = rng.random()
+        if op < 0.05:
+            policy.pin(key)
+            pinned[key] = pinned.get(key, 0) + 1
+            continue
+        if op < 0.10 and pinned:
+            pkey = rng.choice(sorted(pinned))
+            policy.unpin(pkey)
+            pinned[pkey] -= 1
+            if not pinned[pkey]:
+                del pinned[pkey]
+            continue
+        if op < 0.12 and key in resident:  # purge / corrupt
+            used -= resident.pop(key)
+            policy.remove(key)
+            policy.remove(key)
+            continue
+        if key in resident:
+            hits += 1
+            policy.access(key)
+            continue
+        size = sizes[i]
+        admitted = True
+        while used + size > capacity:
+            v = policy.victim()
+            if v is None:
+                admitted = False
+                break
+            assert v in resident, "victim must be resident"
+            assert v not in pinned, "victim must be unpinned"
+            used -= resident.pop(v)
+            policy.remove(v)
+        if admitted:
+            resident[key] = size
+            used += size
+            policy.insert(key, size)
+            policy.access(key)
+        assert used <= capacity
+        assert len(policy) == len(resident)
+    assert all(key in policy for key in resident)
+    assert hits > 0
+
+
+def test_many_pins_keep_victim_cheap(policy: EvictionPolicy) -> None:
+    fill(policy, 20_000, size=1)
+    for i in range(19_999):
+        policy.pin(k(i))
+    for _ in range(20_000):  # would be quadratic if victim() walked past pinned keys
+        assert policy.victim() == k(19_999)
+
+
+# -- lru ------------------------------------------------------------------------------------
+
+
+def test_lru_order() -> None:
+    p = make_policy("lru")
+    fill(p, 4)
+    p.access(k(0))
+    p.access(k(2))
+    assert drain(p) == [k(1), k(3), k(0), k(2)]
+
+
+def test_lru_unpinned_comes_back_as_fresh() -> None:
+    p = make_policy("lru")
+    fill(p, 3)
+    p.pin(k(0))
+    p.unpin(k(0))
+    assert drain(p) == [k(1), k(2), k(0)]
