@@ -1,0 +1,18 @@
+#!/usr/bin/env bash
+# Installs the Debian packages spokefs needs when they are missing: libfuse3 (the mount and
+# pyfuse3's build), pkg-config (pyfuse3's build). rclone is a benchmark peer: installed when
+# SPOKEFS_PEERS=1. Runs as root or through sudo; does nothing when all is present.
+set -euo pipefail
+need=()
+dpkg -s fuse3 >/dev/null 2>&1 || need+=(fuse3)
+dpkg -s libfuse3-dev >/dev/null 2>&1 || need+=(libfuse3-dev)
+dpkg -s pkg-config >/dev/null 2>&1 || need+=(pkg-config)
+if [ "${SPOKEFS_PEERS:-0}" = 1 ]; then
+  dpkg -s rclone >/dev/null 2>&1 || need+=(rclone)
+fi
+[ ${#need[@]} -eq 0 ] && exit 0
+sudo=""
+[ "$(id -u)" -eq 0 ] || sudo="sudo"
+echo "installing Debian packages: ${need[*]}"
+$sudo apt-get update -qq
+DEBIAN_FRONTEND=noninteractive $sudo apt-get install -y -qq "${need[@]}" >/dev/null

@@ -1,0 +1,63 @@
+"""The ``spokefs`` command: one entry point, a subcommand per part of the system.
+
+Each part owns its subcommands in its own ``cli`` module, which exposes
+``register(subparsers)``; this file only lists them, so parts never edit each other's CLI.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import logging
+import sys
+
+from spokefs.errors import SpokeError
+
+# Module paths whose register(subparsers) adds subcommands, in --help order.
+COMMAND_MODULES = [
+    "spokefs.hub.cli",
+    "spokefs.spoke.cli",
+    "spokefs.mount.cli",
+    "spokefs.wan.cli",
+    "spokefs.client.cli",
+    "spokefs.bench.cli",
+    "spokefs.demo",
+]
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="spokefs",
+        description="Read a remote dataset at local speed: a hub publishes snapshots, a spoke "
+        "caches them near the compute, a mount shows them as ordinary files.",
+    )
+    parser.add_argument("-v", "--verbose", action="count", default=0, help="more log output")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    sub.required = True
+    for name in COMMAND_MODULES:
+        try:
+            module = importlib.import_module(name)
+        except ModuleNotFoundError as exc:
+            if exc.name != name:  # a real missing dependency, not a part not built yet
+                raise
+            continue
+        module.register(sub)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    level = logging.WARNING - 10 * min(args.verbose, 2) if args.verbose else logging.INFO
+    logging.basicConfig(level=level, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    try:
+        return int(args.func(args) or 0)
+    except SpokeError as exc:
+        print(f"spokefs: error: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,89 @@
+"""The exceptions a spokefs user can see.
+
+    SpokeError                      base of everything below
+    ├── NotFound                    unknown dataset, snapshot, path or version (HTTP 404)
+    ├── VersionGone                 a pinned file version the hub can no longer serve (HTTP 410)
+    ├── BadRequest                  malformed request or path that tries to escape (HTTP 400)
+    ├── RangeNotSatisfiable         a range past the end of a file (HTTP 416)
+    ├── UpstreamUnavailable         upstream unreachable past the deadline (HTTP 503)
+    ├── IntegrityError              bytes that do not match their digest
+    └── ConfigError                 a bad size, duration, URL or option
+
+Lower-level errors (aiohttp, urllib3, OSError) are mapped to these at the boundary with
+``raise ... from exc``. Every message says what happened and, where there is one, what to do.
+"""
+
+from __future__ import annotations
+
+
+class SpokeError(Exception):
+    """Base class of every error spokefs raises on purpose."""
+
+    status = 500
+    code = "internal"
+
+    def to_json(self) -> dict[str, object]:
+        body: dict[str, object] = {"code": self.code, "message": str(self)}
+        body.update(getattr(self, "details", {}))
+        return {"error": body}
+
+
+class NotFound(SpokeError):
+    status = 404
+    code = "not_found"
+
+
+class VersionGone(SpokeError):
+    status = 410
+    code = "version_gone"
+
+
+class BadRequest(SpokeError):
+    status = 400
+    code = "bad_request"
+
+
+class RangeNotSatisfiable(SpokeError):
+    status = 416
+    code = "range_not_satisfiable"
+
+    def __init__(self, message: str, size: int) -> None:
+        super().__init__(message)
+        self.size = size
+        self.details = {"size": size}
+
+
+class UpstreamUnavailable(SpokeError):
+    status = 503
+    code = "upstream_unavailable"
+
+    def __init__(self, message: str, upstream: str, cause: str) -> None:
+        super().__init__(message)
+        self.details = {"upstream": upstream, "cause": cause}
+
+
+class IntegrityError(SpokeError):
+    status = 502
+    code = "integrity"
+
+
+class ConfigError(SpokeError):
+    status = 400
+    code = "config"
+
+
+def from_status(status: int, body: dict | None, fallback: str) -> SpokeError:
+    """Rebuild the error a peer sent as JSON (client side of the wire protocol)."""
+    err = (body or {}).get("error", {}) if isinstance(body, dict) else {}
+    message = str(err.get("message") or fallback)
+    if status == 404:
+        return NotFound(message)
+    if status == 410:
+        return VersionGone(message)
+    if status == 416:
+        return RangeNotSatisfiable(message, int(err.get("size", -1)))
+    if status == 400:
+        return BadRequest(message)
+    if status == 503:
+        return UpstreamUnavailable(message, str(err.get("upstream", "")), str(err.get("cause", "")))
+    return SpokeError(f"HTTP {status}: {message}")

@@ -1,0 +1,58 @@
+"""What the wire protocol serves, independent of where the bytes come from.
+
+The hub (a directory on disk) and the spoke (a cache in front of an upstream) both implement
+``Backend``; ``spokefs.wire.server`` turns any backend into the HTTP API of docs/protocol.md.
+That is why a spoke is a valid upstream for a mount, another spoke, rclone or curl.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import BinaryIO, Protocol
+
+from prometheus_client import CollectorRegistry
+
+from spokefs.manifest import Manifest
+
+
+@dataclass(frozen=True, slots=True)
+class DatasetInfo:
+    name: str
+    block_size: int
+    latest: str | None
+    snapshots: list[dict[str, object]] = field(default_factory=list)
+
+    def to_json(self) -> dict[str, object]:
+        return {"name": self.name, "block_size": self.block_size, "latest": self.latest,
+                "snapshots": self.snapshots}
+
+
+@dataclass(slots=True)
+class FileSegment:
+    """Bytes [offset, offset+count) of an open file; the server sends them with sendfile and
+    closes the file. Opening before sending keeps the bytes readable even if the path is
+    unlinked (evicted) meanwhile."""
+
+    file: BinaryIO
+    offset: int
+    count: int
+
+
+Segment = FileSegment | bytes | memoryview
+
+
+class Backend(Protocol):
+    role: str                      # "hub" or "spoke", shown in /v1/status and metrics
+    registry: CollectorRegistry    # prometheus metrics of this service
+
+    async def datasets(self) -> list[DatasetInfo]: ...
+    async def dataset(self, name: str) -> DatasetInfo: ...           # NotFound
+    async def resolve(self, name: str, snap: str) -> str: ...        # "latest" or id -> id
+    async def manifest_blob(self, name: str, snap_id: str) -> bytes: ...   # gzip'd JSON
+    async def manifest(self, name: str, snap_id: str) -> Manifest: ...
+    async def object_size(self, name: str, version: str) -> int: ...  # NotFound, VersionGone
+    async def block_digest(self, name: str, version: str, index: int) -> bytes | None: ...
+    def read(self, name: str, version: str, start: int, end: int) -> AsyncIterator[Segment]: ...
+    async def create_snapshot(self, name: str) -> dict[str, object]: ...
+    async def status(self) -> dict[str, object]: ...

@@ -1,0 +1,272 @@
+"""The HTTP API (docs/protocol.md) over any ``Backend``: hub and spoke share every route.
+
+Two faces:
+- ``/v1/...``: the API spokes and mounts use: datasets, snapshots, manifests, and byte ranges
+  of file versions (``/v1/datasets/{ds}/objects/{version}``).
+- ``/{dataset}[@{snapshot}]/{path}``: plain reads by path with Range and HEAD, and an HTML index
+  for folders, so curl, rclone's ``:http:`` remote and fsspec's HTTP filesystem read as is.
+Errors are JSON bodies ``{"error": {"code", "message", ...}}`` with the matching status.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import html
+import logging
+import time
+from collections.abc import AsyncIterator, Callable
+from email.utils import formatdate
+from urllib.parse import quote
+
+from aiohttp import web
+from prometheus_client import CONTENT_TYPE_LATEST, Counter, generate_latest
+
+from spokefs.errors import BadRequest, NotFound, RangeNotSatisfiable, SpokeError
+from spokefs.manifest import FileEntry
+from spokefs.wire.backend import Backend, FileSegment, Segment
+from spokefs.wire.paths import check_dataset_name, clean_path, split_dataset_ref
+from spokefs.wire.ranges import parse_range
+
+log = logging.getLogger(__name__)
+
+MANIFEST_TYPE = "application/vnd.spokefs.manifest+json"
+H_BLOCK_SIZE = "X-Spokefs-Block-Size"
+H_DIGEST = "X-Spokefs-Block-Digest"  # hex xxh3-128 of the block, on single-block reads
+H_VERSION = "X-Spokefs-Version"
+H_SNAPSHOT = "X-Spokefs-Snapshot"
+
+BACKEND_KEY = web.AppKey("backend", Backend)
+
+
+def error_response(exc: SpokeError) -> web.Response:
+    resp = web.json_response(exc.to_json(), status=exc.status)
+    if isinstance(exc, RangeNotSatisfiable) and exc.size >= 0:
+        resp.headers["Content-Range"] = f"bytes */{exc.size}"
+    return resp
+
+
+@web.middleware
+async def errors_middleware(request: web.Request, handler: Callable) -> web.StreamResponse:
+    try:
+        return await handler(request)
+    except SpokeError as exc:
+        if exc.status >= 500:
+            log.warning("%s %s -> %d: %s", request.method, request.path, exc.status, exc)
+        return error_response(exc)
+    except web.HTTPException as exc:
+        if exc.status >= 400 and exc.content_type != "application/json":
+            body = {"error": {"code": exc.reason.lower().replace(" ", "_"), "message": exc.reason}}
+            return web.json_response(body, status=exc.status)
+        raise
+
+
+async def send_segments(request: web.Request, segments: AsyncIterator[Segment],
+                        first: Segment | None, resp: web.StreamResponse) -> web.StreamResponse:
+    """Stream the segments; a file segment goes out with sendfile, no copy through Python."""
+    await resp.prepare(request)
+    loop = asyncio.get_running_loop()
+    seg = first
+    try:
+        while seg is not None:
+            if isinstance(seg, FileSegment):
+                try:
+                    transport = request.transport
+                    if transport is None:
+                        raise ConnectionResetError("client went away")
+                    await loop.sendfile(transport, seg.file, seg.offset, seg.count)
+                except NotImplementedError:
+                    seg.file.seek(seg.offset)
+                    await resp.write(seg.file.read(seg.count))
+                finally:
+                    seg.file.close()
+            else:
+                await resp.write(seg)
+            seg = await anext(segments, None)
+    finally:
+        if seg is not None and isinstance(seg, FileSegment):
+            seg.file.close()
+        await segments.aclose()  # type: ignore[attr-defined]
+    await resp.write_eof()
+    return resp
+
+
+class Api:
+    """Route handlers. ``extra`` lets a role add its own routes (the spoke's hints, warm...)."""
+
+    def __init__(self, backend: Backend) -> None:
+        self.backend = backend
+        self.requests = Counter("spokefs_requests", "HTTP requests by route and status",
+                                ["route", "status"], registry=backend.registry)
+        self.bytes_served = Counter("spokefs_served_bytes", "Body bytes sent to readers",
+                                    registry=backend.registry)
+
+    def routes(self) -> list[web.RouteDef]:
+        return [
+            web.get("/metrics", self.metrics),
+            web.get("/v1/status", self.status),
+            web.get("/v1/datasets", self.list_datasets),
+            web.get("/v1/datasets/{ds}", self.get_dataset),
+            web.post("/v1/datasets/{ds}/snapshots", self.create_snapshot),
+            web.get("/v1/datasets/{ds}/snapshots/{snap}", self.get_snapshot),
+            web.get("/v1/datasets/{ds}/snapshots/{snap}/manifest", self.get_manifest),
+            web.get("/v1/datasets/{ds}/snapshots/{snap}/entries/{path:.*}", self.get_entry),
+            web.get("/v1/datasets/{ds}/objects/{version}", self.get_object),  # GET and HEAD
+            web.get("/", self.root_index),
+            web.get("/{ref}", self.plain_redirect),
+            web.get("/{ref}/{path:.*}", self.plain_read),
+        ]
+
+    # -- JSON API ----------------------------------------------------------------------------
+    async def metrics(self, request: web.Request) -> web.Response:
+        body = generate_latest(self.backend.registry)
+        return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_LATEST})
+
+    async def status(self, request: web.Request) -> web.Response:
+        return web.json_response(await self.backend.status())
+
+    async def list_datasets(self, request: web.Request) -> web.Response:
+        infos = await self.backend.datasets()
+        return web.json_response({"datasets": [i.to_json() for i in infos]})
+
+    async def get_dataset(self, request: web.Request) -> web.Response:
+        ds = check_dataset_name(request.match_info["ds"])
+        return web.json_response((await self.backend.dataset(ds)).to_json())
+
+    async def create_snapshot(self, request: web.Request) -> web.Response:
+        ds = check_dataset_name(request.match_info["ds"])
+        return web.json_response(await self.backend.create_snapshot(ds), status=201)
+
+    async def _snap(self, request: web.Request) -> tuple[str, str]:
+        ds = check_dataset_name(request.match_info["ds"])
+        _, snap = split_dataset_ref(f"{ds}@{request.match_info['snap']}")
+        return ds, await self.backend.resolve(ds, snap)
+
+    async def get_snapshot(self, request: web.Request) -> web.Response:
+        ds, snap_id = await self._snap(request)
+        info = await self.backend.dataset(ds)
+        for s in info.snapshots:
+            if s["id"] == snap_id:
+                return web.json_response({"dataset": ds, **s})
+        return web.json_response({"dataset": ds, "id": snap_id})
+
+    async def get_manifest(self, request: web.Request) -> web.Response:
+        ds, snap_id = await self._snap(request)
+        blob = await self.backend.manifest_blob(ds, snap_id)
+        # Sent as stored (gzip'd JSON): the manifest is immutable, so it caches forever.
+        return web.Response(body=blob, headers={
+            "Content-Type": MANIFEST_TYPE, "Content-Encoding": "gzip", "ETag": f'"{snap_id}"',
+            "Cache-Control": "public, max-age=31536000, immutable", H_SNAPSHOT: snap_id})
+
+    async def get_entry(self, request: web.Request) -> web.Response:
+        ds, snap_id = await self._snap(request)
+        path = clean_path(request.match_info["path"])
+        m = await self.backend.manifest(ds, snap_id)
+        entry = m.lookup(path)
+        if entry is not None:
+            return web.json_response({"snapshot": snap_id, **entry.to_json()})
+        if not m.is_dir(path):
+            raise NotFound(f"{ds}@{snap_id} has no file or folder {path!r}")
+        subdirs, files = m.listdir(path)
+        return web.json_response({
+            "snapshot": snap_id, "path": path, "type": "dir",
+            "dirs": subdirs, "files": [f.to_json() for f in files]})
+
+    async def get_object(self, request: web.Request) -> web.StreamResponse:
+        ds = check_dataset_name(request.match_info["ds"])
+        version = request.match_info["version"]
+        if not version.isalnum() or len(version) > 64:
+            raise BadRequest(f"invalid version id {version!r}")
+        return await self._serve(request, ds, version, extra_headers={H_VERSION: version})
+
+    # -- byte ranges -------------------------------------------------------------------------
+    async def _serve(self, request: web.Request, ds: str, version: str,
+                     extra_headers: dict[str, str], entry: FileEntry | None = None
+                     ) -> web.StreamResponse:
+        t0 = time.monotonic()
+        if entry is not None:
+            size = entry.size
+        else:
+            # The spoke may have to fetch a block to learn the size: fetch the one asked for.
+            size = await self.backend.object_size(ds, version)
+        rng = parse_range(request.headers.get("Range"), size)
+        start, end = rng if rng is not None else (0, size)
+        info = await self.backend.dataset(ds)
+        headers = {"Accept-Ranges": "bytes", "Content-Type": "application/octet-stream",
+                   "ETag": f'"{version}"', H_BLOCK_SIZE: str(info.block_size), **extra_headers}
+        if entry is not None:
+            headers["Last-Modified"] = formatdate(entry.mtime_ns / 1e9, usegmt=True)
+        status = 200
+        if rng is not None:
+            status = 206
+            headers["Content-Range"] = f"bytes {start}-{end - 1}/{size}"
+        bs = info.block_size
+        resp = web.StreamResponse(status=status, headers=headers)
+        resp.content_length = end - start
+        if request.method == "HEAD" or end == start:
+            await resp.prepare(request)
+            await resp.write_eof()
+            return resp
+        segments = self.backend.read(ds, version, start, end)
+        # Await the first bytes before sending headers: an upstream failure can still be a 503.
+        first = await anext(segments)  # type: ignore[call-overload]
+        if start % bs == 0 and (end == size or end - start == bs) and end - start <= bs:
+            digest = await self.backend.block_digest(ds, version, start // bs)
+            if digest is not None:
+                resp.headers[H_DIGEST] = digest.hex()
+        await send_segments(request, segments, first, resp)
+        self.bytes_served.inc(end - start)
+        self.requests.labels("object", str(status)).inc()
+        log.debug("served %s/%s [%d,%d) in %.1f ms", ds, version, start, end,
+                  1000 * (time.monotonic() - t0))
+        return resp
+
+    # -- plain reads by path -----------------------------------------------------------------
+    async def root_index(self, request: web.Request) -> web.Response:
+        infos = await self.backend.datasets()
+        links = "".join(f'<li><a href="{quote(i.name)}/">{html.escape(i.name)}/</a></li>'
+                        for i in infos)
+        return _html_page("spokefs datasets", links)
+
+    async def plain_redirect(self, request: web.Request) -> web.StreamResponse:
+        ref = request.match_info["ref"]
+        split_dataset_ref(ref)
+        raise web.HTTPMovedPermanently(f"/{quote(ref)}/")
+
+    async def plain_read(self, request: web.Request) -> web.StreamResponse:
+        ds, snap = split_dataset_ref(request.match_info["ref"])
+        raw = request.match_info["path"]
+        path = clean_path(raw)
+        snap_id = await self.backend.resolve(ds, snap)
+        m = await self.backend.manifest(ds, snap_id)
+        entry = m.lookup(path) if path else None
+        if entry is not None:
+            return await self._serve(request, ds, entry.version,
+                                     {H_VERSION: entry.version, H_SNAPSHOT: snap_id}, entry)
+        if path == "" or m.is_dir(path):
+            if raw and not raw.endswith("/"):
+                raise web.HTTPMovedPermanently(f"/{quote(request.match_info['ref'])}/"
+                                               f"{quote(path)}/")
+            subdirs, files = m.listdir(path)
+            items = ['<li><a href="../">../</a></li>'] if path else []
+            items += [f'<li><a href="{quote(d)}/">{html.escape(d)}/</a></li>' for d in subdirs]
+            items += [f'<li><a href="{quote(f.path.rsplit("/", 1)[-1])}">'
+                      f'{html.escape(f.path.rsplit("/", 1)[-1])}</a> {f.size}</li>'
+                      for f in files]
+            title = f"{ds}@{snap_id}/{path}"
+            return _html_page(title, "".join(items), {H_SNAPSHOT: snap_id})
+        raise NotFound(f"{ds}@{snap_id} has no file or folder {path!r}")
+
+
+def _html_page(title: str, items: str, headers: dict[str, str] | None = None) -> web.Response:
+    t = html.escape(title)
+    body = (f"<!DOCTYPE html><html><head><meta charset='utf-8'><title>{t}</title></head>"
+            f"<body><h1>{t}</h1><ul>{items}</ul></body></html>")
+    return web.Response(text=body, content_type="text/html", headers=headers)
+
+
+def build_app(backend: Backend, extra_routes: list[web.RouteDef] | None = None) -> web.Application:
+    app = web.Application(middlewares=[errors_middleware], client_max_size=64 * 1024 * 1024)
+    app[BACKEND_KEY] = backend
+    api = Api(backend)
+    app.add_routes((extra_routes or []) + api.routes())
+    return app
