@@ -223,3 +223,142 @@ def test_lru_unpinned_comes_back_as_fresh() -> None:
     p.pin(k(0))
     p.unpin(k(0))
     assert drain(p) == [k(1), k(2), k(0)]
+
+
+# -- s3fifo ---------------------------------------------------------------------------------
+
+
+def run_store(policy: EvictionPolicy, trace: list[BlockKey], capacity: int, size: int = MiB):
+    """Replay reads through a store of ``capacity`` bytes; returns the missed reads."""
+    used = 0
+    misses = []
+    for key in trace:
+        if key not in policy:
+            misses.append(key)
+            while used + size > capacity:
+                v = policy.victim()
+                assert v is not None
+                policy.remove(v)
+                used -= size
+            policy.insert(key, size)
+            used += size
+        policy.access(key)
+    return misses
+
+
+@pytest.mark.parametrize("name", ["s3fifo", "lru"])
+def test_one_time_scan(name: str) -> None:
+    """A hot set read again and again survives a long one-time scan under s3fifo only."""
+    p = make_policy(name, capacity=100 * MiB) if name == "s3fifo" else make_policy(name)
+    hot = [k(i, "hot") for i in range(50)]
+    run_store(p, hot * 4, 100 * MiB)
+    scan = [k(i, "scan") for i in range(1000)]
+    misses = run_store(p, scan + hot, 100 * MiB)
+    hot_misses = [key for key in misses if key[0] == "hot"]
+    if name == "s3fifo":
+        assert hot_misses == []
+    else:
+        assert len(hot_misses) == 50
+
+
+def test_s3fifo_ghost_readmits_to_main() -> None:
+    p = make_policy("s3fifo", capacity=10 * MiB)
+    run_store(p, [k(i) for i in range(20)], 10 * MiB)  # k(0..9) evicted from small: ghosts
+    assert k(0) not in p
+    run_store(p, [k(0)], 10 * MiB)
+    run_store(p, [k(i, "new") for i in range(9)], 10 * MiB)  # floods the small queue
+    assert k(0) in p  # came back through the ghost set into main
+
+
+def test_s3fifo_rejects_bad_options() -> None:
+    with pytest.raises(ConfigError):
+        make_policy("s3fifo", small_ratio=1.5)
+    with pytest.raises(ConfigError):
+        make_policy("s3fifo", capacity=0)
+    with pytest.raises(ConfigError):
+        make_policy("s3fifo", bogus=1)
+
+
+# -- belady ---------------------------------------------------------------------------------
+
+# The textbook reference string: with 3 frames OPT faults 7 times, LRU 10 times.
+TEXTBOOK = [k(i) for i in (1, 2, 3, 4, 1, 2, 5, 1, 2, 3, 4, 5)]
+
+
+def test_belady_is_optimal_on_the_textbook_trace() -> None:
+    p = make_policy("belady")
+    p.set_future(TEXTBOOK)
+    misses = run_store(p, TEXTBOOK, 3 * MiB)
+    # Hand-checked: 1 2 3 miss; 4 evicts 3 (next use farthest); 1 2 hit; 5 evicts 4... ; 1 2
+    # hit; 3 evicts 1 or 2 (never used again); 4 evicts the other; 5 hits.
+    assert len(misses) == 7
+    assert misses[:5] == [k(1), k(2), k(3), k(4), k(5)]
+    assert len(run_store(make_policy("lru"), TEXTBOOK, 3 * MiB)) == 10
+
+
+def test_belady_without_future_is_lru() -> None:
+    trace = [k(i % 7) for i in range(100)] + [k(i % 3) for i in range(30)]
+    lru = run_store(make_policy("lru"), trace, 4 * MiB)
+    assert run_store(make_policy("belady"), trace, 4 * MiB) == lru
+
+
+def test_belady_evicts_never_used_again_first() -> None:
+    p = make_policy("belady")
+    fill(p, 4)
+    p.set_future([k(1), k(3)])
+    assert drain(p) == [k(0), k(2), k(3), k(1)]
+
+
+def test_belady_cyclic_scan_does_not_collapse() -> None:
+    """LRU misses every read of a loop larger than the cache; Belady keeps most of it."""
+    loop = [k(i) for i in range(10)]
+    p = make_policy("belady")
+    p.set_future(loop * 5)
+    misses = run_store(p, loop * 5, 8 * MiB)
+    assert len(run_store(make_policy("lru"), loop * 5, 8 * MiB)) == 50
+    assert len(misses) <= 10 + 4 * 2
+
+
+def test_belady_tolerates_disorder_and_repeated_reads() -> None:
+    order = [k(i) for i in range(40)]
+    p = make_policy("belady", window=8)
+    p.set_future(order * 2)
+    fill(p, 40)
+    # Four workers: each reads every fourth block, a few positions out of step, and each
+    # block in several small reads.
+    reads = []
+    for base in range(0, 40, 4):
+        for w in (2, 0, 3, 1):
+            reads += [order[base + w]] * 3
+    for key in reads:
+        p.access(key)
+    assert p.position == 40  # one epoch read, every occurrence once
+    # The second epoch reads k(0) first and k(39) last.
+    assert p.victim() == k(39)
+
+
+def test_belady_skipped_positions_do_not_stall() -> None:
+    order = [k(i) for i in range(100)]
+    p = make_policy("belady", window=4)
+    p.set_future(order)
+    for key in order[:10] + order[13:60]:  # the reader skips 10..12
+        p.access(key)
+    assert p.position >= 55
+    assert p.next_use(k(11)) > 100  # taken as read
+    p.advance(90)
+    assert p.position == 90
+    for key in order[95:]:  # beyond the window: unannounced
+        p.access(key)
+    assert p.position == 90
+
+
+def test_belady_extend_future_links_epochs() -> None:
+    p = make_policy("belady")
+    epoch = [k(i) for i in range(5)]
+    p.set_future(epoch)
+    fill(p, 5)
+    for key in epoch:
+        p.access(key)
+    p.extend_future(list(reversed(epoch)))
+    assert p.victim() == k(0)  # read last in the next epoch
+    assert p.next_use(k(4)) == 5
