@@ -1,0 +1,25 @@
+"""Wiring the spoke service into an aiohttp application."""
+
+from __future__ import annotations
+
+from aiohttp import web
+
+from spokefs.spoke.service import SpokeBackend, SpokeConfig
+from spokefs.wire.run import serve_forever
+from spokefs.wire.server import build_app
+
+
+def build_spoke_app(backend: SpokeBackend) -> web.Application:
+    app = build_app(backend)
+
+    async def lifecycle(app: web.Application):
+        await backend.start()
+        yield
+        await backend.close()
+
+    app.cleanup_ctx.append(lifecycle)
+    return app
+
+
+async def run_spoke(config: SpokeConfig, host: str, port: int) -> None:
+    await serve_forever(build_spoke_app(SpokeBackend(config)), host, port, "spoke")

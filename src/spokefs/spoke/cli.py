@@ -1,0 +1,53 @@
+"""``spokefs spoke serve``."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+from pathlib import Path
+
+from spokefs.units import parse_duration, parse_size
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    spoke = sub.add_parser("spoke", help="run a cache service near the compute",
+                           description="The spoke: a read-through block cache on local disk "
+                           "in front of a hub (or another spoke).")
+    ssub = spoke.add_subparsers(dest="spoke_command", metavar="ACTION")
+    ssub.required = True
+    serve = ssub.add_parser(
+        "serve", help="serve the upstream's datasets through a local cache",
+        description="Serve the same API as the hub. Hits come from local disk; misses are "
+        "fetched from the upstream with many range requests in flight, verified, kept and "
+        "served. The cache survives restarts and never exceeds --cache-size.")
+    serve.add_argument("--upstream", required=True, metavar="URL",
+                       help="hub or spoke to read from, e.g. http://hub.example:8470")
+    serve.add_argument("--cache-dir", required=True, type=Path, help="local cache folder")
+    serve.add_argument("--cache-size", required=True, type=parse_size,
+                       help="hard bound on cached bytes, e.g. 200GiB")
+    serve.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
+    serve.add_argument("--port", type=int, default=8471, help="port (default 8471; 0 = any)")
+    serve.add_argument("--policy", default="lru", help="eviction policy (default lru)")
+    serve.add_argument("--deadline", type=parse_duration, default=30.0,
+                       help="fail an uncached read after the upstream has been unreachable "
+                       "this long (default 30s)")
+    serve.add_argument("--max-inflight", type=int, default=64,
+                       help="upstream requests in flight (default 64)")
+    serve.add_argument("--no-fsync", action="store_true",
+                       help="skip fsync of cached blocks (faster; a power loss may drop "
+                       "blocks, never serve bad ones)")
+    serve.add_argument("--latest-ttl", type=parse_duration, default=10.0,
+                       help="how long the upstream's latest snapshot is trusted (default 10s)")
+    serve.set_defaults(func=_serve)
+
+
+def _serve(args: argparse.Namespace) -> int:
+    from spokefs.spoke.app import run_spoke
+    from spokefs.spoke.service import SpokeConfig
+
+    config = SpokeConfig(upstream=args.upstream, cache_dir=args.cache_dir,
+                         cache_size=args.cache_size, policy=args.policy, deadline=args.deadline,
+                         max_inflight=args.max_inflight, fsync=not args.no_fsync,
+                         latest_ttl=args.latest_ttl)
+    asyncio.run(run_spoke(config, args.host, args.port))
+    return 0

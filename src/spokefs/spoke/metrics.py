@@ -1,0 +1,35 @@
+"""The spoke's Prometheus metrics (one registry per service, so tests can run several)."""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+
+class SpokeMetrics:
+    def __init__(self, registry: CollectorRegistry) -> None:
+        r = registry
+        self.hits = Counter("spokefs_cache_hits", "Blocks read from the cache", registry=r)
+        self.misses = Counter("spokefs_cache_misses", "Blocks a reader needed that were not "
+                              "resident", registry=r)
+        self.upstream_bytes = Counter("spokefs_upstream_bytes", "Bytes fetched from upstream",
+                                      ["reason"], registry=r)
+        self.upstream_errors = Counter("spokefs_upstream_errors", "Failed upstream requests",
+                                       ["kind"], registry=r)
+        self.fetch_seconds = Histogram(
+            "spokefs_fetch_seconds", "Latency of one block fetch from upstream", registry=r,
+            buckets=(0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.25, 0.5, 1, 2.5, 5, 10, 30))
+        self.evictions = Counter("spokefs_cache_evictions", "Blocks evicted", registry=r)
+        self.integrity_failures = Counter("spokefs_integrity_failures", "Blocks whose bytes did "
+                                          "not match their digest", ["where"], registry=r)
+        self.write_errors = Counter("spokefs_cache_write_errors", "Blocks that could not be "
+                                    "written to the cache", ["reason"], registry=r)
+        self.passthrough_bytes = Counter("spokefs_passthrough_bytes", "Bytes served without "
+                                         "being cached (cache full of pins or unwritable)",
+                                         registry=r)
+        self.cache_bytes = Gauge("spokefs_cache_bytes", "Bytes of resident blocks", registry=r)
+        self.cache_capacity = Gauge("spokefs_cache_capacity_bytes", "Cache capacity",
+                                    registry=r)
+        self.cache_writable = Gauge("spokefs_cache_writable", "1 when the cache accepts "
+                                    "writes, 0 while it passes data through", registry=r)
+        self.inflight = Gauge("spokefs_upstream_inflight", "Upstream requests in flight",
+                              registry=r)

@@ -1,0 +1,317 @@
+"""The spoke: a read-through block cache in front of an upstream (a hub or another spoke).
+
+A read of [start, end) of a file version becomes block reads. A resident block is checked
+against its digest and sent from disk with sendfile. A missing block is fetched from upstream
+(one request per block, many in flight, demand before prefetch), checked against the digest
+the upstream sent, persisted, and handed to every reader waiting for it: concurrent readers of
+one missing block share one fetch. Blocks are keyed by (version, index), so a new version of a
+file never mixes with an old one.
+
+When the upstream is unreachable, cached data is still served; an uncached read retries with
+backoff and, after ``deadline`` seconds, fails with UpstreamUnavailable (HTTP 503).
+Metadata (dataset info, manifests) is kept on disk, so a restarted spoke serves what it has
+even while the upstream is down.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+from collections import OrderedDict
+from collections.abc import AsyncIterator, Coroutine
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from prometheus_client import CollectorRegistry
+
+from spokefs.cache.store import BlockStore
+from spokefs.errors import IntegrityError, NotFound, UpstreamUnavailable
+from spokefs.integrity import DEFAULT_BLOCK_SIZE, block_digest, blocks_in_range
+from spokefs.manifest import Manifest
+from spokefs.policy import BlockKey, make_policy
+from spokefs.retry import backoff_delays
+from spokefs.spoke.limiter import PriorityLimiter
+from spokefs.spoke.metrics import SpokeMetrics
+from spokefs.wire.backend import DatasetInfo, FileSegment, Segment
+from spokefs.wire.client import Block, Transient, UpstreamClient
+
+log = logging.getLogger(__name__)
+
+DEMAND = 0  # priority of a block a reader is waiting for
+
+
+@dataclass
+class SpokeConfig:
+    upstream: str
+    cache_dir: Path
+    cache_size: int
+    policy: str = "lru"
+    deadline: float = 30.0          # give up on an uncached read after this long
+    max_inflight: int = 64          # upstream requests in flight (fill a long link)
+    fsync: bool = True
+    latest_ttl: float = 10.0        # how long "latest" is trusted before asking upstream
+
+
+class SpokeBackend:
+    role = "spoke"
+
+    def __init__(self, config: SpokeConfig) -> None:
+        self.config = config
+        self.registry = CollectorRegistry()
+        self.metrics = SpokeMetrics(self.registry)
+        self.store = BlockStore(config.cache_dir, config.cache_size,
+                                make_policy(config.policy), fsync=config.fsync)
+        self.upstream = UpstreamClient(config.upstream, max_connections=config.max_inflight)
+        self.limiter = PriorityLimiter(config.max_inflight)
+        self._inflight: dict[BlockKey, asyncio.Future[Block]] = {}
+        self._digests: OrderedDict[BlockKey, bytes] = OrderedDict()  # of passed-through blocks
+        self._datasets: dict[str, tuple[float, DatasetInfo]] = {}
+        self._manifests: OrderedDict[tuple[str, str], Manifest] = OrderedDict()
+        self._tasks: set[asyncio.Task[Any]] = set()
+        self._last_upstream_error: str | None = None
+        self.started = time.time()
+
+    # -- lifecycle ---------------------------------------------------------------------------
+    async def start(self) -> None:
+        await asyncio.to_thread(self.store.open)
+        ev = self.store.events
+        ev.on_evict = self.metrics.evictions.inc
+        ev.on_corrupt = lambda: self.metrics.integrity_failures.labels("cache").inc()
+        ev.on_write_error = lambda reason: self.metrics.write_errors.labels(reason).inc()
+        self.metrics.cache_capacity.set(self.store.capacity)
+        self.metrics.cache_bytes.set_function(lambda: self.store.used)
+        self.metrics.cache_writable.set_function(lambda: 1 if self.store.writable else 0)
+        self.metrics.inflight.set_function(lambda: self.limiter.active)
+        self.spawn(self._housekeeping())
+
+    async def close(self) -> None:
+        tasks = list(self._tasks)
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        await self.upstream.close()
+        await asyncio.to_thread(self.store.close)
+
+    def spawn(self, coro: Coroutine[Any, Any, Any]) -> asyncio.Task[Any]:
+        """Every background task is owned here and cancelled and awaited on close."""
+        task = asyncio.get_running_loop().create_task(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+        return task
+
+    async def _housekeeping(self) -> None:
+        while True:
+            await asyncio.sleep(5.0)
+            await asyncio.to_thread(self.store.flush_access_times)
+            self.store.retry_writable()
+
+    # -- metadata ----------------------------------------------------------------------------
+    async def _retrying(self, what: str, fn: Any, *args: Any) -> Any:
+        """Call an upstream coroutine, retrying transient failures with backoff until the
+        deadline; then UpstreamUnavailable naming the upstream and the cause."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.config.deadline
+        for delay in backoff_delays():
+            try:
+                result = await fn(*args)
+                self._last_upstream_error = None
+                return result
+            except Transient as exc:
+                self.metrics.upstream_errors.labels("transient").inc()
+                self._last_upstream_error = str(exc)
+                if loop.time() + delay >= deadline:
+                    raise UpstreamUnavailable(
+                        f"upstream {self.config.upstream} unreachable for "
+                        f"{self.config.deadline:g}s while fetching {what}: {exc}",
+                        self.config.upstream, str(exc)) from exc
+                await asyncio.sleep(delay)
+        raise AssertionError("unreachable")
+
+    async def dataset(self, name: str) -> DatasetInfo:
+        now = time.monotonic()
+        cached = self._datasets.get(name)
+        if cached is not None and now - cached[0] < self.config.latest_ttl:
+            return cached[1]
+        try:
+            doc = await self.upstream.get_json(f"/v1/datasets/{name}")
+        except Transient as exc:
+            # Upstream down: keep serving with what we knew (memory, then disk).
+            stale = cached[1] if cached else self._persisted_dataset(name)
+            if stale is not None:
+                log.warning("upstream down (%s); using the last known state of %r", exc, name)
+                return stale
+            raise UpstreamUnavailable(
+                f"upstream {self.config.upstream} is unreachable and dataset {name!r} was "
+                f"never seen by this spoke: {exc}", self.config.upstream, str(exc)) from exc
+        info = DatasetInfo(doc["name"], int(doc.get("block_size", DEFAULT_BLOCK_SIZE)),
+                           doc.get("latest"), list(doc.get("snapshots", [])))
+        self._datasets[name] = (now, info)
+        self.store.kv_set(f"dataset:{name}", json.dumps(info.to_json()))
+        return info
+
+    def _persisted_dataset(self, name: str) -> DatasetInfo | None:
+        raw = self.store.kv_get(f"dataset:{name}")
+        if raw is None:
+            return None
+        d = json.loads(raw)
+        return DatasetInfo(d["name"], d["block_size"], d["latest"], d["snapshots"])
+
+    async def datasets(self) -> list[DatasetInfo]:
+        doc = await self._retrying("the dataset list", self.upstream.get_json, "/v1/datasets")
+        return [await self.dataset(d["name"]) for d in doc["datasets"]]
+
+    async def resolve(self, name: str, snap: str) -> str:
+        info = await self.dataset(name)
+        if snap == "latest":
+            if info.latest is None:
+                raise NotFound(f"dataset {name!r} has no snapshot yet")
+            return info.latest
+        if any(s.get("id") == snap for s in info.snapshots) or self._manifest_file(
+                name, snap).exists():
+            return snap
+        # Maybe newer than our cached dataset info: ask upstream (404 if unknown there too).
+        self._datasets.pop(name, None)
+        info = await self.dataset(name)
+        if any(s.get("id") == snap for s in info.snapshots):
+            return snap
+        raise NotFound(f"dataset {name!r} has no snapshot {snap!r}")
+
+    def _manifest_file(self, name: str, snap_id: str) -> Path:
+        return self.store.root / "manifests" / name / f"{snap_id}.json.gz"
+
+    async def manifest_blob(self, name: str, snap_id: str) -> bytes:
+        path = self._manifest_file(name, snap_id)
+        try:
+            return await asyncio.to_thread(path.read_bytes)
+        except FileNotFoundError:
+            pass
+        blob = await self._retrying(f"the manifest of {name}@{snap_id}",
+                                    self.upstream.manifest_blob, name, snap_id)
+
+        def persist() -> None:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            tmp = path.with_suffix(".tmp")
+            tmp.write_bytes(blob)
+            tmp.replace(path)
+
+        try:
+            await asyncio.to_thread(persist)
+        except OSError as exc:
+            log.warning("cannot keep manifest %s@%s on disk: %s", name, snap_id, exc)
+        return blob
+
+    async def manifest(self, name: str, snap_id: str) -> Manifest:
+        key = (name, snap_id)
+        m = self._manifests.get(key)
+        if m is None:
+            m = await asyncio.to_thread(Manifest.decode, await self.manifest_blob(name, snap_id))
+            self._manifests[key] = m
+            while len(self._manifests) > 4:
+                self._manifests.popitem(last=False)
+        return m
+
+    async def create_snapshot(self, name: str) -> dict[str, object]:
+        # Snapshots are the hub's to make; forward, so `spokefs` commands work via a spoke.
+        doc = await self.upstream.post_json(f"/v1/datasets/{name}/snapshots", {})
+        self._datasets.pop(name, None)
+        return doc
+
+    # -- data --------------------------------------------------------------------------------
+    async def object_size(self, name: str, version: str) -> int:
+        size = self.store.object_size(version)
+        if size is None:
+            # Learn the size from the first block, which the reader almost always needs.
+            block = await self._block(name, version, 0, DEMAND)
+            size = block.size
+        return size
+
+    async def block_digest(self, name: str, version: str, index: int) -> bytes | None:
+        key = (version, index)
+        rec = self.store.get(key)
+        return rec.digest if rec is not None else self._digests.get(key)
+
+    async def read(self, name: str, version: str, start: int, end: int
+                   ) -> AsyncIterator[Segment]:
+        bs = (await self.dataset(name)).block_size
+        indexes = blocks_in_range(start, end, bs)
+        # Start every missing block now (the whole range is wanted), then send in order.
+        pending = {i: self._start_fetch(name, version, i, DEMAND) for i in indexes
+                   if (version, i) not in self.store}
+        for i in indexes:
+            lo = max(start, i * bs) - i * bs
+            hi = min(end, (i + 1) * bs) - i * bs
+            fut = pending.get(i)
+            if fut is None:
+                f = self.store.open_verified((version, i))
+                if f is not None:
+                    self.metrics.hits.inc()
+                    yield FileSegment(f, lo, hi - lo)
+                    continue
+                fut = self._start_fetch(name, version, i, DEMAND)  # evicted or corrupt
+            self.metrics.misses.inc()
+            block = await asyncio.shield(fut)
+            yield memoryview(block.data)[lo:hi]
+
+    async def _block(self, name: str, version: str, index: int, priority: int) -> Block:
+        return await asyncio.shield(self._start_fetch(name, version, index, priority))
+
+    def _start_fetch(self, name: str, version: str, index: int,
+                     priority: int) -> asyncio.Future[Block]:
+        key = (version, index)
+        fut = self._inflight.get(key)
+        if fut is None:
+            fut = self.spawn(self._fetch(name, version, index, priority))
+            self._inflight[key] = fut
+            fut.add_done_callback(lambda _f: self._inflight.pop(key, None))
+        return fut
+
+    async def _fetch(self, name: str, version: str, index: int, priority: int) -> Block:
+        bs = (await self.dataset(name)).block_size
+        key = (version, index)
+        what = f"block {index} of {version} ({name})"
+        for attempt in range(3):
+            async with self.limiter.slot(priority):
+                t0 = time.monotonic()
+                block = await self._retrying(what, self.upstream.read_range, name, version,
+                                             index * bs, (index + 1) * bs)
+                self.metrics.fetch_seconds.observe(time.monotonic() - t0)
+            self.metrics.upstream_bytes.labels("demand" if priority == DEMAND else
+                                               "prefetch").inc(len(block.data))
+            if block.digest is None:
+                raise IntegrityError(f"upstream sent {what} without a digest; cannot verify")
+            if block_digest(block.data) == block.digest:
+                break
+            self.metrics.integrity_failures.labels("upstream").inc()
+            log.warning("%s from upstream failed its digest check (attempt %d)", what,
+                        attempt + 1)
+        else:
+            raise IntegrityError(f"{what} failed its digest check 3 times; the upstream's copy "
+                                 "may be changing or damaged")
+        if self.store.object_size(version) is None:
+            self.store.set_object_size(version, block.size)
+        stored = await asyncio.to_thread(self.store.put, key, block.data, block.digest, name)
+        if not stored:
+            self.metrics.passthrough_bytes.inc(len(block.data))
+            self._digests[key] = block.digest
+            while len(self._digests) > 4096:
+                self._digests.popitem(last=False)
+        return block
+
+    # -- operator view -----------------------------------------------------------------------
+    async def status(self) -> dict[str, object]:
+        m = self.metrics
+        hits, misses = m.hits._value.get(), m.misses._value.get()
+        return {
+            "role": self.role, "upstream": self.config.upstream,
+            "upstream_error": self._last_upstream_error,
+            "uptime_s": round(time.time() - self.started, 1),
+            "cache": self.store.stats(),
+            "hits": hits, "misses": misses,
+            "hit_ratio": hits / (hits + misses) if hits + misses else None,
+            "inflight": self.limiter.active, "queued": self.limiter.queued,
+            "deadline_s": self.config.deadline,
+        }
+

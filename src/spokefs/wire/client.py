@@ -1,0 +1,135 @@
+"""Async client for the wire protocol: what a spoke or a mount uses to talk to its upstream.
+
+Kept-alive connections in a pool sized for many range requests in flight (a 60 ms link is
+filled by parallelism, not by bigger requests). Errors are mapped at this boundary:
+``Transient`` (connection refused or reset, timeouts, 5xx) may be retried; a ``SpokeError``
+(404, 410, 416, 400) is the upstream's final answer.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import gzip
+import json
+from dataclasses import dataclass
+
+import aiohttp
+
+from spokefs.errors import from_status
+from spokefs.manifest import Manifest
+from spokefs.wire.server import H_BLOCK_SIZE, H_DIGEST
+
+
+class Transient(Exception):
+    """A failure worth retrying: the upstream may answer later."""
+
+
+@dataclass(frozen=True, slots=True)
+class Block:
+    data: bytes
+    digest: bytes | None   # the upstream's digest of this block (single-block reads)
+    size: int              # the whole object's size, from Content-Range
+
+
+class UpstreamClient:
+    def __init__(self, base_url: str, max_connections: int = 128,
+                 request_timeout: float = 60.0) -> None:
+        self.base_url = base_url.rstrip("/")
+        self.max_connections = max_connections
+        self.request_timeout = request_timeout
+        self._session: aiohttp.ClientSession | None = None
+
+    @property
+    def session(self) -> aiohttp.ClientSession:
+        if self._session is None:  # created lazily inside the running loop
+            connector = aiohttp.TCPConnector(limit=self.max_connections,
+                                             limit_per_host=self.max_connections,
+                                             keepalive_timeout=120, ttl_dns_cache=300)
+            timeout = aiohttp.ClientTimeout(total=None, sock_connect=10,
+                                            sock_read=self.request_timeout)
+            self._session = aiohttp.ClientSession(connector=connector, timeout=timeout,
+                                                  auto_decompress=False)
+        return self._session
+
+    async def close(self) -> None:
+        if self._session is not None:
+            await self._session.close()
+            self._session = None
+
+    async def _get(self, path: str, headers: dict[str, str] | None = None,
+                   method: str = "GET") -> tuple[int, dict[str, str], bytes]:
+        url = f"{self.base_url}{path}"
+        try:
+            async with self.session.request(method, url, headers=headers) as resp:
+                body = await resp.read()
+                return resp.status, dict(resp.headers), body
+        except (TimeoutError, aiohttp.ClientError, OSError) as exc:
+            raise Transient(f"{type(exc).__name__}: {exc}" if str(exc) else
+                            type(exc).__name__) from exc
+
+    def _check(self, status: int, body: bytes, what: str) -> None:
+        if status < 400:
+            return
+        if status >= 500 and status != 501:
+            raise Transient(f"upstream answered {status} for {what}")
+        try:
+            doc = json.loads(body)
+        except ValueError:
+            doc = None
+        raise from_status(status, doc, f"upstream answered {status} for {what}")
+
+    async def get_json(self, path: str) -> dict:
+        status, _, body = await self._get(path)
+        self._check(status, body, path)
+        return json.loads(body)
+
+    async def post_json(self, path: str, doc: object) -> dict:
+        try:
+            async with self.session.post(f"{self.base_url}{path}", json=doc) as resp:
+                body = await resp.read()
+                status = resp.status
+        except (TimeoutError, aiohttp.ClientError, OSError) as exc:
+            raise Transient(str(exc) or type(exc).__name__) from exc
+        self._check(status, body, path)
+        return json.loads(body)
+
+    async def manifest_blob(self, dataset: str, snap: str) -> bytes:
+        path = f"/v1/datasets/{dataset}/snapshots/{snap}/manifest"
+        status, headers, body = await self._get(path)
+        self._check(status, body, path)
+        if headers.get("Content-Encoding", "") != "gzip":
+            body = gzip.compress(body)
+        return body
+
+    async def manifest(self, dataset: str, snap: str) -> Manifest:
+        blob = await self.manifest_blob(dataset, snap)
+        return await asyncio.to_thread(Manifest.decode, blob)
+
+    async def read_range(self, dataset: str, version: str, start: int, end: int) -> Block:
+        """Bytes [start, end) of a version; ``end`` may pass the object's end (clamped)."""
+        path = f"/v1/datasets/{dataset}/objects/{version}"
+        status, headers, body = await self._get(path, {"Range": f"bytes={start}-{end - 1}"})
+        self._check(status, body, f"{path} [{start},{end})")
+        size = _total_size(headers, len(body))
+        want = min(end, size) - start
+        if len(body) != want:
+            raise Transient(f"short read from upstream: {len(body)} of {want} bytes")
+        digest = headers.get(H_DIGEST)
+        return Block(body, bytes.fromhex(digest) if digest else None, size)
+
+    async def block_size(self, dataset: str) -> int:
+        return int((await self.get_json(f"/v1/datasets/{dataset}"))["block_size"])
+
+    async def head_object(self, dataset: str, version: str) -> tuple[int, int]:
+        """(size, block_size) of a version."""
+        path = f"/v1/datasets/{dataset}/objects/{version}"
+        status, headers, body = await self._get(path, method="HEAD")
+        self._check(status, body, path)
+        return int(headers["Content-Length"]), int(headers.get(H_BLOCK_SIZE, 0))
+
+
+def _total_size(headers: dict[str, str], body_len: int) -> int:
+    cr = headers.get("Content-Range")
+    if cr and "/" in cr:
+        return int(cr.rsplit("/", 1)[1])
+    return body_len
