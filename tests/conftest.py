@@ -1,0 +1,28 @@
+from __future__ import annotations
+
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).parent))
+
+from servers import ServerProcess, hub, make_dataset, spoke  # noqa: E402
+
+
+@pytest.fixture
+def dataset(tmp_path: Path) -> Path:
+    return make_dataset(tmp_path / "ds")
+
+
+@pytest.fixture
+def hub_server(dataset: Path, tmp_path: Path) -> Iterator[ServerProcess]:
+    with hub(dataset, tmp_path / "hubstate") as h:
+        yield h
+
+
+@pytest.fixture
+def spoke_server(hub_server: ServerProcess, tmp_path: Path) -> Iterator[ServerProcess]:
+    with spoke(hub_server.url, tmp_path / "cache", "1GiB", "--deadline", "3s") as s:
+        yield s
