@@ -1,0 +1,1 @@
+"""Client side of spokefs: ``spokefs.open`` and the ``spokefs://`` fsspec filesystem."""

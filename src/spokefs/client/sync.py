@@ -1,0 +1,90 @@
+"""A small synchronous client for the wire protocol (urllib3, pooled keep-alive connections).
+
+Used by ``spokefs.open``, the fsspec filesystem and the CLI. Errors are mapped here:
+connection failures become UpstreamUnavailable after ``deadline``; JSON errors become the
+matching SpokeError.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from typing import Any
+
+import urllib3
+
+from spokefs.errors import UpstreamUnavailable, from_status
+from spokefs.manifest import Manifest
+from spokefs.retry import backoff_delays
+
+_pools: dict[str, urllib3.PoolManager] = {}
+_pools_lock = threading.Lock()
+
+
+def _pool(base: str) -> urllib3.PoolManager:
+    with _pools_lock:
+        pm = _pools.get(base)
+        if pm is None:
+            pm = _pools[base] = urllib3.PoolManager(num_pools=4, maxsize=32, block=False,
+                                                    retries=False)
+        return pm
+
+
+class Client:
+    def __init__(self, base: str, deadline: float = 30.0, timeout: float = 60.0) -> None:
+        self.base = base.rstrip("/")
+        self.deadline = deadline
+        self.timeout = urllib3.Timeout(connect=10, read=timeout)
+
+    def request(self, method: str, path: str, headers: dict[str, str] | None = None,
+                body: bytes | None = None, decode: bool = True) -> urllib3.BaseHTTPResponse:
+        end = time.monotonic() + self.deadline
+        for delay in backoff_delays():
+            try:
+                resp = _pool(self.base).request(method, f"{self.base}{path}", headers=headers,
+                                                body=body, timeout=self.timeout,
+                                                decode_content=decode, preload_content=True)
+            except urllib3.exceptions.HTTPError as exc:
+                cause = str(exc.__cause__ or exc)
+                if time.monotonic() + delay > end:
+                    raise UpstreamUnavailable(f"{self.base} unreachable for {self.deadline:g}s: "
+                                              f"{cause}", self.base, cause) from exc
+                time.sleep(delay)
+                continue
+            if resp.status == 503 and time.monotonic() + delay <= end:
+                time.sleep(delay)  # the spoke's upstream is away; it may come back
+                continue
+            if resp.status >= 400:
+                try:
+                    doc = json.loads(resp.data)
+                except ValueError:
+                    doc = None
+                raise from_status(resp.status, doc, f"{method} {path}: HTTP {resp.status}")
+            return resp
+        raise AssertionError("unreachable")
+
+    def get_json(self, path: str) -> Any:
+        return json.loads(self.request("GET", path).data)
+
+    def post_json(self, path: str, doc: object) -> Any:
+        resp = self.request("POST", path, {"Content-Type": "application/json"},
+                            json.dumps(doc).encode())
+        return json.loads(resp.data)
+
+    def resolve(self, dataset: str, snap: str) -> str:
+        return str(self.get_json(f"/v1/datasets/{dataset}/snapshots/{snap}")["id"])
+
+    def manifest(self, dataset: str, snap: str) -> Manifest:
+        resp = self.request("GET", f"/v1/datasets/{dataset}/snapshots/{snap}/manifest",
+                            decode=False)
+        return Manifest.decode(resp.data)
+
+    def entry(self, dataset: str, snap: str, path: str) -> dict[str, Any]:
+        return dict(self.get_json(f"/v1/datasets/{dataset}/snapshots/{snap}/entries/{path}"))
+
+    def read(self, dataset: str, version: str, start: int, end: int) -> bytes:
+        """Bytes [start, end) of a file version (end may pass EOF; the answer is clamped)."""
+        resp = self.request("GET", f"/v1/datasets/{dataset}/objects/{version}",
+                            {"Range": f"bytes={start}-{end - 1}"})
+        return bytes(resp.data)
