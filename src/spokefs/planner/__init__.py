@@ -1,0 +1,95 @@
+"""The prefetch planner (sans-I/O): events in, actions out.
+
+What it does, per (dataset, job):
+
+1. Sequential readahead inside a file: a window that starts at one block when a file is read
+   from its start, doubles per block read in sequence, and stops at ``readahead_max_bytes``
+   (the link's bandwidth-delay product).
+2. Working-set learning without hints: ``scan_threshold`` distinct files read once each mark
+   an epoch scan; the prediction is the manifest subtree under their common directory, then
+   (from the second epoch on) exactly what the last epoch read. If it fits its share of the
+   cache it is fetched and pinned whole; if not, a fixed part of it is pinned (what is
+   resident first, then unread files) and the rest streams through the unpinned reserve,
+   which a fresh shuffle cannot beat anyway (every reuse crosses an epoch boundary, so a
+   fixed resident part is hit every epoch, where LRU keeps the wrong blocks). When the part
+   of an epoch left unread fits beside the pinned part, it is all fetched (endgame). At each
+   epoch end a ``WorkingSetLearned`` action carries the set to persist;
+   ``restore_working_set`` takes it back and starts filling before the first read.
+3. Announced order: blocks up to ``lookahead_bytes`` ahead of the reader's position are
+   pinned and fetched, nearest first; each read advances the position (reads may run up to
+   ``disorder_window`` positions ahead of the oldest unread one); a ``SetFuture`` action
+   hands the block order to a ``belady`` eviction policy.
+4. An in-flight budget: at most ``max_inflight_bytes`` of prefetches are outstanding; demand
+   fetches (priority 0) are never held back and jump ahead of queued prefetches.
+
+How the spoke service drives it::
+
+    planner = Planner(capacity=store.capacity, resident=store.policy, ...)
+    planner.add_manifest(dataset, Manifest(paths, versions, sizes, block_size))
+    act(planner.restore_working_set(saved))        # for each persisted set, at start
+    act(planner.handle(Read(...)))                 # every read, before serving it
+    act(planner.handle(FetchDone(key)))            # a fetched block is indexed and resident
+    act(planner.handle(FetchFailed(key)))          # a fetch gave up or was cancelled
+    act(planner.handle(OrderAnnounced(...)))       # a client posted its order for an epoch
+    act(planner.handle(EpochBoundary(...)))        # a client said a new epoch starts
+    act(planner.handle(JobEnded(...)))             # a client said it is done
+    act(planner.handle(CapacityChanged(bytes)))    # the cache was resized
+
+where ``act`` carries out, in order: ``Pin``/``Unpin`` on the eviction policy, ``Fetch`` by
+priority with the bounded pool of range requests (priority 0 first; a Fetch of a key in flight
+raises its priority), ``Cancel`` (drop it if not started, then report ``FetchFailed``),
+``SetFuture`` (``policy.extend_future(keys)`` or ``set_future`` when the policy has them) and
+``WorkingSetLearned`` (persist ``working_set.to_json()`` under (dataset, job)). The service
+waits for the demand blocks of a read; every Fetch must end in FetchDone or FetchFailed. A
+block fetched but not admitted (everything resident is pinned) is served from memory and
+reported as FetchFailed.
+"""
+
+from spokefs.planner.events import (
+    DEMAND,
+    Action,
+    Cancel,
+    CapacityChanged,
+    EpochBoundary,
+    Event,
+    Evicted,
+    Fetch,
+    FetchDone,
+    FetchFailed,
+    JobEnded,
+    OrderAnnounced,
+    Pin,
+    Read,
+    SetFuture,
+    Unpin,
+    WorkingSetLearned,
+)
+from spokefs.planner.manifest import DEFAULT_BLOCK_SIZE, Manifest
+from spokefs.planner.planner import WORKING_SET_PRIORITY, Planner, as_indexes
+from spokefs.planner.workingset import WorkingSet
+
+__all__ = [
+    "DEFAULT_BLOCK_SIZE",
+    "DEMAND",
+    "WORKING_SET_PRIORITY",
+    "Action",
+    "Cancel",
+    "CapacityChanged",
+    "EpochBoundary",
+    "Event",
+    "Evicted",
+    "Fetch",
+    "FetchDone",
+    "FetchFailed",
+    "JobEnded",
+    "Manifest",
+    "OrderAnnounced",
+    "Pin",
+    "Planner",
+    "Read",
+    "SetFuture",
+    "Unpin",
+    "WorkingSet",
+    "WorkingSetLearned",
+    "as_indexes",
+]
