@@ -117,7 +117,9 @@ class Manifest:
 
     @classmethod
     def decode(cls, blob: bytes) -> Manifest:
-        return cls.from_json(json.loads(gzip.decompress(blob)))
+        """From gzip'd JSON, or plain JSON (an HTTP client may have decompressed it)."""
+        raw = gzip.decompress(blob) if blob[:2] == b"\x1f\x8b" else blob
+        return cls.from_json(json.loads(raw))
 
 
 def dir_mode() -> int:

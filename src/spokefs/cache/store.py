@@ -24,6 +24,7 @@ lock guards the index, the policy and the counters.
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import logging
 import mmap
@@ -218,15 +219,22 @@ class BlockStore:
                     os.fsync(f.fileno())
             os.replace(tmp, final)
         except OSError as exc:
-            tmp.unlink(missing_ok=True)
+            with contextlib.suppress(OSError):
+                tmp.unlink(missing_ok=True)
             with self._lock:
                 self.reserved -= size
             self._write_failed(exc)
             return False
         with self._lock:
             self.reserved -= size
-            self.db.execute("INSERT OR REPLACE INTO blocks VALUES (?,?,?,?,?,?)",
-                            (key[0], key[1], size, digest, dataset, time.time()))
+            try:
+                self.db.execute("INSERT OR REPLACE INTO blocks VALUES (?,?,?,?,?,?)",
+                                (key[0], key[1], size, digest, dataset, time.time()))
+            except sqlite3.Error as exc:  # index volume full: the block stays uncached
+                with contextlib.suppress(OSError):
+                    final.unlink(missing_ok=True)
+                self._write_failed(OSError(errno.ENOSPC, str(exc)))
+                return False
             self._records[key] = BlockRecord(key, size, digest, dataset)
             self.used += size
             self.policy.insert(key, size)

@@ -47,13 +47,11 @@ class Client:
                                                 decode_content=decode, preload_content=True)
             except urllib3.exceptions.HTTPError as exc:
                 cause = str(exc.__cause__ or exc)
-                if time.monotonic() + delay > end:
+                remaining = end - time.monotonic()
+                if remaining <= 0:
                     raise UpstreamUnavailable(f"{self.base} unreachable for {self.deadline:g}s: "
                                               f"{cause}", self.base, cause) from exc
-                time.sleep(delay)
-                continue
-            if resp.status == 503 and time.monotonic() + delay <= end:
-                time.sleep(delay)  # the spoke's upstream is away; it may come back
+                time.sleep(min(delay, remaining))  # one last try at the deadline
                 continue
             if resp.status >= 400:
                 try:

@@ -108,7 +108,7 @@ class HubBackend:
         st = self._state(name)
         async with self._scan_lock:
             result = await asyncio.to_thread(st.scan)
-        return {"dataset": name, "created": result.created_new,
+        return {"dataset": name, "new": result.created_new,
                 "files_hashed": result.files_hashed, **result.snapshot.to_json()}
 
     async def status(self) -> dict[str, object]:

@@ -66,6 +66,6 @@ def _snapshot(args: argparse.Namespace) -> int:
         result = state.scan(show_progress=True)
     finally:
         state.close()
-    print(json.dumps({"dataset": state.name, "created": result.created_new,
+    print(json.dumps({"dataset": state.name, "new": result.created_new,
                       "files_hashed": result.files_hashed, **result.snapshot.to_json()}))
     return 0

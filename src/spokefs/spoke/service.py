@@ -122,12 +122,13 @@ class SpokeBackend:
             except Transient as exc:
                 self.metrics.upstream_errors.labels("transient").inc()
                 self._last_upstream_error = str(exc)
-                if loop.time() + delay >= deadline:
+                remaining = deadline - loop.time()
+                if remaining <= 0:
                     raise UpstreamUnavailable(
                         f"upstream {self.config.upstream} unreachable for "
                         f"{self.config.deadline:g}s while fetching {what}: {exc}",
                         self.config.upstream, str(exc)) from exc
-                await asyncio.sleep(delay)
+                await asyncio.sleep(min(delay, remaining))  # one last try at the deadline
         raise AssertionError("unreachable")
 
     async def dataset(self, name: str) -> DatasetInfo:

@@ -1,0 +1,193 @@
+"""The spoke: read-through correctness, hits, restarts, capacity, failures, integrity."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import urllib3
+
+from servers import spoke
+from spokefs.manifest import Manifest
+
+http = urllib3.PoolManager(retries=False, maxsize=16)
+
+
+def get(url: str, **headers: str) -> urllib3.BaseHTTPResponse:
+    return http.request("GET", url, headers=headers, redirect=False)
+
+
+def metric(base: str, name: str) -> float:
+    text = get(f"{base}/metrics").data.decode()
+    total = 0.0
+    for line in text.splitlines():
+        m = re.match(rf"^{name}(?:{{[^}}]*}})? (\S+)$", line)
+        if m:
+            total += float(m.group(1))
+    return total
+
+
+def read_all(base: str, dataset: Path) -> int:
+    n = 0
+    for p in sorted(dataset.rglob("*")):
+        if p.is_file():
+            rel = p.relative_to(dataset).as_posix()
+            r = get(f"{base}/ds/{rel}")
+            assert r.status == 200, (rel, r.data[:200])
+            assert r.data == p.read_bytes(), rel
+            n += len(r.data)
+    return n
+
+
+def test_read_through_then_hits(spoke_server, dataset: Path) -> None:
+    base = spoke_server.url
+    total = read_all(base, dataset)
+    fetched = metric(base, "spokefs_upstream_bytes_total")
+    assert fetched == total  # every byte crossed once
+    misses = metric(base, "spokefs_cache_misses_total")
+    read_all(base, dataset)
+    assert metric(base, "spokefs_upstream_bytes_total") == fetched  # warm pass: nothing moved
+    assert metric(base, "spokefs_cache_misses_total") == misses
+    assert metric(base, "spokefs_cache_hits_total") >= misses
+
+
+def test_ranges_across_blocks(spoke_server, dataset: Path) -> None:
+    src = (dataset / "shards/shard-000.tar").read_bytes()
+    bs = 4 * 1024 * 1024
+    for a, b in [(0, 10), (bs - 5, bs + 5), (bs - 1, 2 * bs + 1), (len(src) - 7, len(src) - 1)]:
+        r = get(f"{spoke_server.url}/ds/shards/shard-000.tar", Range=f"bytes={a}-{b}")
+        assert r.status == 206 and r.data == src[a:b + 1], (a, b)
+    r = get(f"{spoke_server.url}/ds/shards/shard-000.tar", Range=f"bytes={len(src)}-")
+    assert r.status == 416
+
+
+def test_concurrent_readers_share_one_fetch(spoke_server, dataset: Path) -> None:
+    src = (dataset / "shards/shard-000.tar").read_bytes()
+    results: list[bytes] = []
+
+    def reader() -> None:
+        results.append(get(f"{spoke_server.url}/ds/shards/shard-000.tar").data)
+
+    threads = [threading.Thread(target=reader) for _ in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert all(r == src for r in results)
+    assert metric(spoke_server.url, "spokefs_upstream_bytes_total") == len(src)
+
+
+def test_cache_survives_restart(hub_server, dataset: Path, tmp_path: Path) -> None:
+    cache = tmp_path / "cache"
+    with spoke(hub_server.url, cache) as s1:
+        total = read_all(s1.url, dataset)
+    with spoke(hub_server.url, cache) as s2:
+        read_all(s2.url, dataset)
+        assert metric(s2.url, "spokefs_upstream_bytes_total") == 0
+        assert metric(s2.url, "spokefs_cache_bytes") == total
+
+
+def test_cache_size_is_a_hard_bound(hub_server, dataset: Path, tmp_path: Path) -> None:
+    cap = 6 * 1024 * 1024
+    with spoke(hub_server.url, tmp_path / "cache", str(cap)) as s:
+        read_all(s.url, dataset)
+        assert metric(s.url, "spokefs_cache_bytes") <= cap
+        assert metric(s.url, "spokefs_cache_evictions_total") > 0
+        on_disk = sum(p.stat().st_size for p in (tmp_path / "cache/blocks").rglob("*")
+                      if p.is_file())
+        assert on_disk <= cap
+
+
+def test_upstream_down_cached_served_uncached_503(hub_server, dataset: Path,
+                                                  tmp_path: Path) -> None:
+    with spoke(hub_server.url, tmp_path / "cache", "1GiB", "--deadline", "1.5s") as s:
+        src = (dataset / "class0/img0000.jpg").read_bytes()
+        assert get(f"{s.url}/ds/class0/img0000.jpg").data == src
+        m = Manifest.decode(get(f"{s.url}/v1/datasets/ds/snapshots/latest/manifest").data)
+        hub_server.stop()
+        # Cached: still served, metadata included.
+        assert get(f"{s.url}/ds/class0/img0000.jpg").data == src
+        # Uncached: a clear 503 after the deadline, not a hang.
+        t0 = time.monotonic()
+        r = get(f"{s.url}/v1/datasets/ds/objects/{m.lookup('class1/img0001.jpg').version}")
+        elapsed = time.monotonic() - t0
+        assert r.status == 503
+        err = json.loads(r.data)["error"]
+        assert err["upstream"] == hub_server.url and err["cause"]
+        assert 1.0 <= elapsed < 10
+        # The spoke itself stays healthy.
+        assert get(f"{s.url}/v1/status").status == 200
+
+
+def test_corrupt_block_is_detected_refetched_counted(spoke_server, dataset: Path,
+                                                     tmp_path: Path) -> None:
+    base = spoke_server.url
+    src = (dataset / "class3/img0003.jpg").read_bytes()
+    assert get(f"{base}/ds/class3/img0003.jpg").data == src
+    blocks = [p for p in (tmp_path / "cache/blocks").rglob("*") if p.is_file()]
+    assert blocks
+    for p in blocks:  # flip a byte in every cached block
+        data = bytearray(p.read_bytes())
+        if data:
+            data[len(data) // 2] ^= 0xFF
+            p.write_bytes(bytes(data))
+    fetched = metric(base, "spokefs_upstream_bytes_total")
+    assert get(f"{base}/ds/class3/img0003.jpg").data == src
+    assert metric(base, "spokefs_integrity_failures_total") >= 1
+    assert metric(base, "spokefs_upstream_bytes_total") == fetched + len(src)
+
+
+def test_unwritable_cache_passes_through(hub_server, dataset: Path, tmp_path: Path) -> None:
+    if os.geteuid() == 0 and not shutil.which("mount"):
+        pytest.skip("needs mount(8) for a tiny tmpfs")
+    cache = tmp_path / "cache"
+    with spoke(hub_server.url, cache) as s:
+        # Make the block folders read-only to every writer, root included: a read-only bind.
+        (cache / "blocks").chmod(0o500)
+        os.system(f"mount --bind -o ro {cache / 'tmp'} {cache / 'tmp'} 2>/dev/null")
+        tmp_ro = os.system(f"mount -o remount,bind,ro {cache / 'tmp'} 2>/dev/null") == 0
+        try:
+            if not tmp_ro:
+                pytest.skip("cannot make the cache read-only here")
+            try:
+                assert read_all(s.url, dataset) > 0
+            except AssertionError:
+                print(''.join(s.output))
+                raise
+            assert metric(s.url, "spokefs_cache_writable") == 0
+            assert metric(s.url, "spokefs_cache_write_errors_total") >= 1
+            assert metric(s.url, "spokefs_passthrough_bytes_total") > 0
+            logs = "".join(s.output)
+            assert logs.count("cannot write to") == 1  # logged once
+        finally:
+            os.system(f"umount {cache / 'tmp'} 2>/dev/null")
+
+
+def test_new_version_never_mixes(hub_server, dataset: Path, tmp_path: Path) -> None:
+    with spoke(hub_server.url, tmp_path / "cache", "1GiB", "--latest-ttl", "0s") as s:
+        old = (dataset / "class1/img0005.jpg").read_bytes()
+        snap1 = json.loads(get(f"{s.url}/v1/datasets/ds").data)["latest"]
+        assert get(f"{s.url}/ds@{snap1}/class1/img0005.jpg").data == old
+        (dataset / "class1/img0005.jpg").write_bytes(b"v2" * 1000)
+        http.request("POST", f"{hub_server.url}/v1/datasets/ds/snapshots")
+        # New snapshot: new bytes; the pinned snapshot: old bytes from the cache.
+        assert get(f"{s.url}/ds/class1/img0005.jpg").data == b"v2" * 1000
+        assert get(f"{s.url}/ds@{snap1}/class1/img0005.jpg").data == old
+        # A pinned version that was never cached and is gone on the hub: a clear 410.
+        (dataset / "class1/img0009.jpg").write_bytes(b"v2")
+        r = get(f"{s.url}/ds@{snap1}/class1/img0009.jpg")
+        assert r.status == 410
+        assert json.loads(r.data)["error"]["code"] == "version_gone"
+
+
+def test_spoke_chains_to_spoke(spoke_server, dataset: Path, tmp_path: Path) -> None:
+    with spoke(spoke_server.url, tmp_path / "cache2") as edge:
+        read_all(edge.url, dataset)
+        read_all(edge.url, dataset)
+        assert metric(edge.url, "spokefs_integrity_failures_total") == 0
