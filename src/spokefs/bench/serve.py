@@ -67,7 +67,8 @@ async def _seq(base: str, readers: int, seconds: float) -> dict[str, Any]:
                 url, size = files[i % len(files)]
                 for off in range(0, size, 4 * MiB):
                     t0 = time.perf_counter()
-                    total += await _get(s, url, off, min(size, off + 4 * MiB))
+                    n = await _get(s, url, off, min(size, off + 4 * MiB))
+                    total += n  # not `total += await ...`: that loses concurrent updates
                     lat.append(time.perf_counter() - t0)
                     if time.perf_counter() >= end:
                         break

@@ -71,6 +71,7 @@ class SpokeBackend:
         self._datasets: dict[str, tuple[float, DatasetInfo]] = {}
         self._manifests: OrderedDict[tuple[str, str], Manifest] = OrderedDict()
         self._tasks: set[asyncio.Task[Any]] = set()
+        self._sizes: dict[str, int] = {}  # version -> size, in front of the index
         self._last_upstream_error: str | None = None
         self.started = time.time()
 
@@ -222,11 +223,16 @@ class SpokeBackend:
 
     # -- data --------------------------------------------------------------------------------
     async def object_size(self, name: str, version: str) -> int:
-        size = self.store.object_size(version)
+        size = self._sizes.get(version)
+        if size is None:
+            size = self.store.object_size(version)
         if size is None:
             # Learn the size from the first block, which the reader almost always needs.
             block = await self._block(name, version, 0, DEMAND)
             size = block.size
+        self._sizes[version] = size
+        if len(self._sizes) > 100_000:
+            self._sizes.pop(next(iter(self._sizes)))
         return size
 
     async def block_digest(self, name: str, version: str, index: int) -> bytes | None:
