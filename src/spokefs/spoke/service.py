@@ -72,6 +72,7 @@ class SpokeBackend:
         self._manifests: OrderedDict[tuple[str, str], Manifest] = OrderedDict()
         self._tasks: set[asyncio.Task[Any]] = set()
         self._sizes: dict[str, int] = {}  # version -> size, in front of the index
+        self._just_fetched: set[BlockKey] = set()  # fetched by object_size for a waiting read
         self._last_upstream_error: str | None = None
         self.started = time.time()
 
@@ -230,6 +231,7 @@ class SpokeBackend:
             # Learn the size from the first block, which the reader almost always needs.
             block = await self._block(name, version, 0, DEMAND)
             size = block.size
+            self._just_fetched.add((version, 0))  # so the read that follows counts a miss
         self._sizes[version] = size
         if len(self._sizes) > 100_000:
             self._sizes.pop(next(iter(self._sizes)))
@@ -254,11 +256,16 @@ class SpokeBackend:
             if fut is None:
                 f = self.store.open_verified((version, i))
                 if f is not None:
-                    self.metrics.hits.inc()
+                    if (version, i) in self._just_fetched:
+                        self._just_fetched.discard((version, i))
+                        self.metrics.misses.inc()
+                    else:
+                        self.metrics.hits.inc()
                     yield FileSegment(f, lo, hi - lo)
                     continue
                 fut = self._start_fetch(name, version, i, DEMAND)  # evicted or corrupt
             self.metrics.misses.inc()
+            self._just_fetched.discard((version, i))
             block = await asyncio.shield(fut)
             yield memoryview(block.data)[lo:hi]
 
