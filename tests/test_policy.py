@@ -332,7 +332,7 @@ def test_belady_tolerates_disorder_and_repeated_reads() -> None:
             reads += [order[base + w]] * 3
     for key in reads:
         p.access(key)
-    assert p.position == 40  # one epoch read, every occurrence once
+    assert p.position() == 40  # one epoch read, every occurrence once
     # The second epoch reads k(0) first and k(39) last.
     assert p.victim() == k(39)
 
@@ -343,13 +343,13 @@ def test_belady_skipped_positions_do_not_stall() -> None:
     p.set_future(order)
     for key in order[:10] + order[13:60]:  # the reader skips 10..12
         p.access(key)
-    assert p.position >= 55
+    assert p.position() >= 55
     assert p.next_use(k(11)) > 100  # taken as read
     p.advance(90)
-    assert p.position == 90
+    assert p.position() == 90
     for key in order[95:]:  # beyond the window: unannounced
         p.access(key)
-    assert p.position == 90
+    assert p.position() == 90
 
 
 def test_belady_extend_future_links_epochs() -> None:
@@ -362,3 +362,25 @@ def test_belady_extend_future_links_epochs() -> None:
     p.extend_future(list(reversed(epoch)))
     assert p.victim() == k(0)  # read last in the next epoch
     assert p.next_use(k(4)) == 5
+
+
+def test_belady_two_streams_share_one_clock() -> None:
+    """Two jobs announce their own orders; each block's next use is judged on one clock."""
+    a = [k(i, "a") for i in range(10)]
+    b = [k(i, "b") for i in range(10)]
+    p = make_policy("belady")
+    p.set_future(a, stream="job-a")
+    p.set_future(b, stream="job-b")
+    for key in a + b:
+        p.insert(key, MiB)
+    for x, y in zip(a[:5], b[:5], strict=True):  # the jobs read in turns
+        p.access(x)
+        p.access(y)
+    assert p.position("job-a") == 5 and p.position("job-b") == 5
+    # Read blocks are never used again: they go first; then the farthest of either job.
+    victims = drain(p)
+    assert set(victims[:10]) == set(a[:5] + b[:5])
+    assert set(victims[10:12]) == {a[9], b[9]}
+    assert set(victims[-2:]) == {a[5], b[5]}
+    p.set_future([], stream="job-a")  # forgotten: plain LRU for its blocks again
+    assert p.next_use(a[6]) > 1 << 60

@@ -38,11 +38,11 @@ How the spoke service drives it::
 where ``act`` carries out, in order: ``Pin``/``Unpin`` on the eviction policy, ``Fetch`` by
 priority with the bounded pool of range requests (priority 0 first; a Fetch of a key in flight
 raises its priority), ``Cancel`` (drop it if not started, then report ``FetchFailed``),
-``SetFuture`` (``policy.extend_future(keys)`` or ``set_future`` when the policy has them) and
-``WorkingSetLearned`` (persist ``working_set.to_json()`` under (dataset, job)). The service
-waits for the demand blocks of a read; every Fetch must end in FetchDone or FetchFailed. A
-block fetched but not admitted (everything resident is pinned) is served from memory and
-reported as FetchFailed.
+``SetFuture`` (``policy.extend_future(keys, stream)``, or ``set_future`` when not
+``append``, where the policy has them) and ``WorkingSetLearned`` (persist
+``working_set.to_json()`` under (dataset, job)). The service waits for the demand blocks
+of a read; every Fetch must end in FetchDone or FetchFailed. A block fetched but not
+admitted (everything resident is pinned) is served from memory and reported as FetchFailed.
 """
 
 from spokefs.planner.events import (

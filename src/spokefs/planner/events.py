@@ -146,11 +146,13 @@ class Unpin:
 
 @dataclass(frozen=True, slots=True)
 class SetFuture:
-    """Block keys in the order a job will read them, for a policy that can use them
-    (``belady``: ``extend_future(keys)``, or ``set_future(keys)`` when not ``append``)."""
+    """Block keys in the order a job will read them, for a policy that can use them:
+    ``belady``'s ``extend_future(keys, stream)``, or ``set_future(keys, stream)`` when not
+    ``append`` (empty ``keys``: forget the stream). ``stream`` is "dataset/job"."""
 
     keys: Sequence[BlockKey]
     append: bool = True
+    stream: str = ""
 
 
 @dataclass(frozen=True, slots=True)

@@ -137,8 +137,10 @@ class OrderCursor:
         return done
 
     def lookahead_end(self, budget: int) -> int:
-        """The first position past ``budget`` bytes ahead of the reader."""
-        return max(self.pos, bisect_right(self.cum, self.cum[self.pos] + budget) - 1)
+        """The first position past ``budget`` bytes ahead of the farthest read (so readers
+        spread over the disorder window all have their budget ahead of them)."""
+        start = min(len(self.files), max(self.pos, self.frontier + 1))
+        return max(start, bisect_right(self.cum, self.cum[start] + budget) - 1)
 
     def unread_issued(self) -> list[int]:
         """Positions that were pinned and are not read yet (to release them)."""

@@ -65,6 +65,8 @@ class _Learner:
     keep_bytes: int = 0
     pinned: dict[BlockKey, int] = field(default_factory=dict)  # key -> size
     endgame_pinned: dict[BlockKey, int] = field(default_factory=dict)
+    endgame_bytes: int = 0  # sum of endgame_pinned
+    endgame_budget: int = 0  # what the endgame may pin: the room when it started
     unread_other: int = 0  # predicted, unread this epoch, not kept: bytes
     fill: Iterator[_Item] | None = None
     endgame: Iterator[_Item] | None = None
@@ -148,6 +150,8 @@ class Planner:
         self._order_pins: dict[BlockKey, int] = {}  # key -> pin count from orders
         self._learners: dict[_JobKey, _Learner] = {}
         self._pinned_bytes = 0
+        self._order_pinned_bytes = 0
+        self._demand_bytes = 0  # demand fetches in flight
         self._last_idle_check = 0.0
         self.stats: Counter[str] = Counter()
 
@@ -285,6 +289,7 @@ class Planner:
         inf = self._inflight.get(key)
         if inf is None:
             self._inflight[key] = _Inflight(size, DEMAND, "demand")
+            self._demand_bytes += size
             out.append(Fetch(key, size, DEMAND, "demand"))
             self.stats["fetch_demand"] += 1
         elif inf.priority != DEMAND:  # the reader caught a prefetch: it jumps the queue
@@ -341,8 +346,11 @@ class Planner:
 
     def _done(self, key: BlockKey, resident: bool) -> None:
         inf = self._inflight.pop(key, None)
-        if inf is not None and inf.reason != "demand":
-            self._prefetch_bytes -= inf.size
+        if inf is not None:
+            if inf.reason == "demand":
+                self._demand_bytes -= inf.size
+            else:
+                self._prefetch_bytes -= inf.size
         if self._own_resident is not None:
             if resident:
                 self._own_resident.add(key)
@@ -376,7 +384,7 @@ class Planner:
         new = cur.extend(files, ev.ranges)  # type: ignore[arg-type]
         cur.epoch = ev.epoch
         self.stats["orders"] += 1
-        out.append(SetFuture(cur.keys(new), append=append))
+        out.append(SetFuture(cur.keys(new), append=append, stream=f"{ev.dataset}/{ev.job}"))
         # An announced order beats learning: drop what learning holds for this job.
         for key in (jk, (ev.dataset, "")):
             ln = self._learners.get(key)
@@ -420,6 +428,7 @@ class Planner:
             key, size = cur.key(p), cur.size(p)
             self._order_pins[key] = self._order_pins.get(key, 0) + 1
             self._pinned_bytes += size
+            self._order_pinned_bytes += size
             out.append(Pin(key))
             self._want(key, size, 1 + p - cur.pos, "order", cur)
         cur.issued = max(cur.issued, end)
@@ -433,6 +442,7 @@ class Planner:
         else:
             self._order_pins[key] = n - 1
         self._pinned_bytes -= size
+        self._order_pinned_bytes -= size
         out.append(Unpin(key))
 
     def _release_order(self, cur: OrderCursor, out: list[Action]) -> None:
@@ -472,7 +482,7 @@ class Planner:
             self.stats["scans_detected"] += 1
             self._allocate(out, force=ln)
         elif result == "widened":
-            self._select(ln, out)
+            self._allocate(out, force=ln)
         elif result == "epoch":
             self._on_epoch(ln, out)
             return
@@ -482,6 +492,7 @@ class Planner:
                 size = ln.endgame_pinned.pop(key, None)
                 if size is not None:
                     self._pinned_bytes -= size
+                    ln.endgame_bytes -= size
                     out.append(Unpin(key))
         if first and scan.detected and not scan.flags[fi] & KEEP and scan.in_prediction(fi):
             ln.unread_other -= scan.m.sizes[fi]
@@ -493,7 +504,7 @@ class Planner:
             self._pinned_bytes -= size
             out.append(Unpin(key))
         ln.endgame_pinned.clear()
-        ln.endgame, ln.endgame_done = None, False
+        ln.endgame, ln.endgame_done, ln.endgame_bytes = None, False, 0
         out.append(WorkingSetLearned(ln.dataset, ln.job, ln.scan.working_set(ln.dataset, ln.job)))
         self._allocate(out, force=ln)
 
@@ -576,10 +587,15 @@ class Planner:
             return
         if not ln.scan.detected:
             return
-        room = self.capacity - self._pinned_bytes - 2 * self.block_size - self._prefetch_bytes
+        # Count what is promised, not only what is pinned yet: kept sets pin as they fill.
+        committed = self._order_pinned_bytes + sum(
+            x.keep_bytes + x.endgame_bytes for x in self._learners.values()
+        )
+        room = self.capacity - committed - self._prefetch_bytes - self._demand_bytes
         if ln.unread_other <= room:
             self.stats["endgames"] += 1
             ln.endgame = self._endgame_gen(ln)
+            ln.endgame_budget = room
 
     def _endgame_gen(self, ln: _Learner) -> Iterator[_Item]:
         """Predicted files neither kept nor read yet this epoch: pin (until read) and fetch."""
@@ -610,10 +626,16 @@ class Planner:
             key, size, _, reason = item
             if reason != "pin":
                 return item
-            if key not in pins:
-                pins[key] = size
-                self._pinned_bytes += size
-                out.append(Pin(key))
+            if key in pins:
+                continue
+            if attr == "endgame":
+                if ln.endgame_bytes + size > ln.endgame_budget:
+                    ln.endgame, ln.endgame_done = None, True  # out of room: stop here
+                    return None
+                ln.endgame_bytes += size
+            pins[key] = size
+            self._pinned_bytes += size
+            out.append(Pin(key))
         return None
 
     def _next_fill(self, ln: _Learner, out: list[Action]) -> _Item | None:
@@ -638,6 +660,7 @@ class Planner:
                 self._pinned_bytes -= size
                 out.append(Unpin(key))
             pins.clear()
+        ln.endgame_bytes = 0
         ln.fill = ln.endgame = None
         ln.pending = None
         self._learners.pop((ln.dataset, ln.job), None)
@@ -647,6 +670,7 @@ class Planner:
         cur = self._orders.pop((dataset, job), None)
         if cur is not None:
             self._release_order(cur, out)
+            out.append(SetFuture((), append=False, stream=f"{dataset}/{job}"))
         ln = self._learners.get((dataset, job))
         if ln is not None:
             self._release_learner(ln, out)

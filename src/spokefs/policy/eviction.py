@@ -300,22 +300,122 @@ class S3FIFOPolicy(_PinnedBase):
             self._main.move_to_end(key)
 
 
+class _Future:
+    """One reader's announced block order and where that reader is in it."""
+
+    def __init__(self, window: int, clock: int) -> None:
+        self.window = window
+        self.order: list[BlockKey] = []
+        self.next: list[int] = []  # index of the same key's next occurrence, or _NEVER
+        self.consumed = bytearray()
+        self.cur: dict[BlockKey, int] = {}  # each key's oldest unconsumed occurrence
+        self.last: dict[BlockKey, int] = {}  # each key's last occurrence
+        self.recent: OrderedDict[BlockKey, int] = OrderedDict()  # key -> position just read
+        self.pos = 0  # every occurrence before this one has been read
+        self.max_read = -1
+        self.read = 0  # positions consumed
+        self.started = clock  # the policy's clock when this future began
+
+    def extend(self, order: Sequence[BlockKey]) -> None:
+        self.compact()
+        base = len(self.order)
+        self.order.extend(order)
+        n = len(self.order) - base
+        self.next.extend([_NEVER] * n)
+        self.consumed.extend(bytes(n))
+        cur, last, nxt = self.cur, self.last, self.next
+        for j in range(base, len(self.order)):
+            key = self.order[j]
+            prev = last.get(key)
+            if prev is not None:
+                nxt[prev] = j
+            if key not in cur:
+                cur[key] = j
+            last[key] = j
+
+    def consume(self, i: int) -> BlockKey:
+        key = self.order[i]
+        self.consumed[i] = 1
+        self.read += 1
+        nxt = self.next[i]
+        if nxt == _NEVER:
+            del self.cur[key]
+            if self.last.get(key) == i:
+                del self.last[key]
+        else:
+            self.cur[key] = nxt
+        self.recent[key] = i
+        self.recent.move_to_end(key)
+        if len(self.recent) > 4 * self.window:
+            self.recent.popitem(last=False)
+        return key
+
+    def consume_until(self, limit: int) -> list[BlockKey]:
+        """Count every position before ``limit`` as read; returns the keys that moved."""
+        moved = []
+        consumed = self.consumed
+        while self.pos < limit:
+            if not consumed[self.pos]:
+                moved.append(self.consume(self.pos))
+            self.pos += 1
+        while self.pos < len(consumed) and consumed[self.pos]:
+            self.pos += 1
+        return moved
+
+    def on_access(self, key: BlockKey) -> list[BlockKey]:
+        """A read of ``key``: consume its occurrence if the reader is there."""
+        i = self.cur.get(key)
+        if i is None:
+            return []
+        # Another small read of a block just read is the same occurrence, unless its next
+        # occurrence is where the reader is now (a short loop that reads it again).
+        read_at = self.recent.get(key)
+        if read_at is not None and read_at >= self.pos - self.window and i > self.max_read + 1:
+            return []
+        if i >= max(self.pos, self.max_read + 1) + self.window:
+            return []  # far ahead of every reader: not this occurrence
+        moved = [self.consume(i)]
+        self.max_read = max(self.max_read, i)
+        # Workers may run ahead, but not forever: a position the reads have passed by more
+        # than the window is taken as read, so the future cannot stall on it.
+        return moved + self.consume_until(max(self.pos, self.max_read - self.window))
+
+    def compact(self) -> None:
+        """Drop the read prefix, so repeated epochs do not grow memory."""
+        drop = self.pos
+        if drop < 4096 or drop * 2 < len(self.order):
+            return
+        del self.order[:drop]
+        del self.consumed[:drop]
+        self.next = [n - drop if n != _NEVER else n for n in self.next[drop:]]
+        self.cur = {key: i - drop for key, i in self.cur.items()}
+        self.last = {key: i - drop for key, i in self.last.items()}
+        self.recent = OrderedDict((key, i - drop) for key, i in self.recent.items())
+        self.pos -= drop
+        self.max_read -= drop
+
+
 @register_policy
 class BeladyPolicy(_PinnedBase):
-    """Belady's MIN against an announced future: evict the block whose next use is farthest.
+    """Belady's MIN against announced futures: evict the block whose next use is farthest.
 
-    ``set_future(order)`` / ``extend_future(order)`` give the block keys in the order the
-    reader(s) will read them (the planner derives it from an announced sample order). Blocks
-    the future never reads again go first, least recently used first; with no future at all
-    the policy is plain LRU.
+    ``set_future(order, stream)`` / ``extend_future(order, stream)`` give the block keys in
+    the order a reader will read them (the planner derives it from an announced sample
+    order); ``stream`` names the reader (one per job), so several jobs can share a cache.
+    Blocks no future reads again go first, least recently used first; with no future at all
+    the policy is plain LRU. ``set_future([], stream)`` forgets a stream.
 
-    The reader's position follows its reads: ``access(key)`` consumes the key's next
+    Each stream's position follows its reads: ``access(key)`` consumes the key's next
     occurrence when it lies less than ``window`` positions past the farthest one read, so
     DataLoader workers may read slightly out of order; a position left unread while reads run
     more than ``window`` past it counts as read. Several small reads of one block consume one
     occurrence. A read farther ahead than the window is taken as unannounced (it only counts
-    as recent use); ``advance(position)`` moves the position explicitly, for a reader that
+    as recent use); ``advance(position)`` moves a position explicitly, for a reader that
     jumps.
+
+    Next uses of different streams are compared on one clock, the positions consumed by all
+    streams: a stream that has advanced ``n`` positions while the clock advanced ``c`` is
+    expected to reach a block ``d`` positions ahead in ``d * c / n`` ticks.
     """
 
     name = "belady"
@@ -325,107 +425,68 @@ class BeladyPolicy(_PinnedBase):
         if window < 1:
             raise ConfigError(f"belady window must be >= 1, got {window}")
         self.window = window
-        self._order: list[BlockKey] = []
-        self._next: list[int] = []  # index of the same key's next occurrence, or _NEVER
-        self._consumed = bytearray()
-        self._cur: dict[BlockKey, int] = {}  # each key's oldest unconsumed occurrence
-        self._last: dict[BlockKey, int] = {}  # each key's last occurrence in the order
-        self._recent: OrderedDict[BlockKey, int] = OrderedDict()  # key -> position just read
-        self._pos = 0  # every occurrence before this one has been read
-        self._max_read = -1
+        self._futures: dict[str, _Future] = {}
+        self._ticks = 0  # positions consumed, all streams together
         self._heap: list[tuple[int, int, BlockKey]] = []  # (-next use, stamp, key)
         self._stamp: dict[BlockKey, int] = {}  # attached keys -> their live heap stamp
         self._clock = 0
 
     # -- the future ---------------------------------------------------------------------------
-    @property
-    def position(self) -> int:
-        return self._pos
+    def position(self, stream: str = "") -> int:
+        f = self._futures.get(stream)
+        return f.pos if f else 0
 
-    def set_future(self, order: Sequence[BlockKey]) -> None:
-        """Replace the future with ``order``; the reader is at its start."""
-        self._order, self._next, self._consumed = [], [], bytearray()
-        self._cur, self._last, self._recent = {}, {}, OrderedDict()
-        self._pos, self._max_read = 0, -1
-        self.extend_future(order)
+    def set_future(self, order: Sequence[BlockKey], stream: str = "") -> None:
+        """Replace ``stream``'s future with ``order``; its reader is at the start."""
+        self._futures.pop(stream, None)
+        if order:
+            self.extend_future(order, stream)
+        else:
+            self._rebuild_heap()
 
-    def extend_future(self, order: Sequence[BlockKey]) -> None:
-        """Append ``order`` (the next epoch) to the future."""
-        self._compact()
-        base = len(self._order)
-        self._order.extend(order)
-        self._next.extend([_NEVER] * (len(self._order) - base))
-        self._consumed.extend(bytes(len(self._order) - base))
-        cur, last, nxt = self._cur, self._last, self._next
-        for j in range(base, len(self._order)):
-            key = self._order[j]
-            prev = last.get(key)
-            if prev is not None:
-                nxt[prev] = j
-            if key not in cur:
-                cur[key] = j
-            last[key] = j
+    def extend_future(self, order: Sequence[BlockKey], stream: str = "") -> None:
+        """Append ``order`` (the next epoch) to ``stream``'s future."""
+        f = self._futures.get(stream)
+        if f is None:
+            f = self._futures[stream] = _Future(self.window, self._ticks)
+        f.extend(order)
         self._rebuild_heap()
 
-    def advance(self, position: int) -> None:
-        """The reader has read everything before ``position``."""
-        self._consume_until(min(position, len(self._order)))
-        self._max_read = max(self._max_read, self._pos - 1)
+    def advance(self, position: int, stream: str = "") -> None:
+        """``stream``'s reader has read everything before ``position``."""
+        f = self._futures.get(stream)
+        if f is None:
+            return
+        self._moved(f, f.consume_until(min(position, len(f.order))))
+        f.max_read = max(f.max_read, f.pos - 1)
 
     def next_use(self, key: BlockKey) -> int:
-        return self._cur.get(key, _NEVER)
+        """When ``key`` is read next, on the clock of positions consumed (``_NEVER``: not)."""
+        best = _NEVER
+        for f in self._futures.values():
+            i = f.cur.get(key)
+            if i is not None:
+                elapsed = self._ticks - f.started
+                rate = elapsed / f.read if f.read else 1.0
+                best = min(best, self._ticks + int((i - f.pos) * rate))
+        return best
 
-    def _consume(self, i: int) -> None:
-        key = self._order[i]
-        self._consumed[i] = 1
-        nxt = self._next[i]
-        if nxt == _NEVER:
-            del self._cur[key]
-            if self._last.get(key) == i:
-                del self._last[key]
-        else:
-            self._cur[key] = nxt
-        self._recent[key] = i
-        self._recent.move_to_end(key)
-        if len(self._recent) > 4 * self.window:
-            self._recent.popitem(last=False)
-        if key in self._stamp:
-            self._push(key)
-
-    def _consume_until(self, limit: int) -> None:
-        consumed = self._consumed
-        while self._pos < limit:
-            if not consumed[self._pos]:
-                self._consume(self._pos)
-            self._pos += 1
-        while self._pos < len(consumed) and consumed[self._pos]:
-            self._pos += 1
-
-    def _compact(self) -> None:
-        """Drop the read prefix of the future, so repeated epochs do not grow memory."""
-        drop = self._pos
-        if drop < 4096 or drop * 2 < len(self._order):
-            return
-        del self._order[:drop]
-        del self._consumed[:drop]
-        self._next = [n - drop if n != _NEVER else n for n in self._next[drop:]]
-        self._cur = {key: i - drop for key, i in self._cur.items()}
-        self._last = {key: i - drop for key, i in self._last.items()}
-        self._recent = OrderedDict((key, i - drop) for key, i in self._recent.items())
-        self._pos -= drop
-        self._max_read -= drop
+    def _moved(self, f: _Future, keys: list[BlockKey]) -> None:
+        self._ticks += len(keys)
+        for key in keys:
+            if key in self._stamp:
+                self._push(key)
 
     # -- the heap of attached keys ----------------------------------------------------------
     def _push(self, key: BlockKey) -> None:
         self._clock += 1
         self._stamp[key] = self._clock
-        heapq.heappush(self._heap, (-self._cur.get(key, _NEVER), self._clock, key))
+        heapq.heappush(self._heap, (-self.next_use(key), self._clock, key))
         if len(self._heap) > 2 * len(self._stamp) + 1024:
             self._rebuild_heap()
 
     def _rebuild_heap(self) -> None:
-        cur = self._cur
-        self._heap = [(-cur.get(key, _NEVER), s, key) for key, s in self._stamp.items()]
+        self._heap = [(-self.next_use(key), s, key) for key, s in self._stamp.items()]
         heapq.heapify(self._heap)
 
     def _attach(self, key: BlockKey) -> None:
@@ -438,22 +499,10 @@ class BeladyPolicy(_PinnedBase):
         self._push(key)
 
     def access(self, key: BlockKey) -> None:
-        i = self._cur.get(key)
-        read_at = self._recent.get(key)
-        # Another small read of a block just read is the same occurrence, unless its next
-        # occurrence is where the reader is now (a short loop that reads it again).
-        repeat = (
-            read_at is not None
-            and read_at >= self._pos - self.window
-            and i is not None
-            and i > self._max_read + 1
-        )
-        if i is not None and not repeat and i < max(self._pos, self._max_read + 1) + self.window:
-            self._consume(i)
-            self._max_read = max(self._max_read, i)
-            # Workers may run ahead, but not forever: a position the reader skipped by more
-            # than the window is taken as read, so the future cannot stall on it.
-            self._consume_until(max(self._pos, self._max_read - self.window))
+        for f in self._futures.values():
+            moved = f.on_access(key)
+            if moved:
+                self._moved(f, moved)
         super().access(key)
 
     def victim(self) -> BlockKey | None:
