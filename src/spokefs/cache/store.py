@@ -345,6 +345,20 @@ class BlockStore:
         with self._lock:
             self.db.execute("INSERT OR REPLACE INTO kv VALUES (?,?)", (key, value))
 
+    def kv_items(self, prefix: str) -> list[tuple[str, str]]:
+        with self._lock:
+            rows = self.db.execute("SELECT key, value FROM kv WHERE key >= ? AND key < ?",
+                                   (prefix, prefix + "\uffff")).fetchall()
+        return [(str(k), str(v)) for k, v in rows]
+
+    def pin(self, key: BlockKey) -> None:
+        with self._lock:
+            self.policy.pin(key)
+
+    def unpin(self, key: BlockKey) -> None:
+        with self._lock:
+            self.policy.unpin(key)
+
     def stats(self) -> dict[str, object]:
         return {"blocks": len(self._records), "used_bytes": self.used,
                 "capacity_bytes": self.capacity, "reserved_bytes": self.reserved,

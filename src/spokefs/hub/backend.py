@@ -14,7 +14,7 @@ from spokefs.errors import BadRequest, NotFound, VersionGone
 from spokefs.hub.snapshot import HubState
 from spokefs.integrity import DIGEST_SIZE
 from spokefs.manifest import Manifest
-from spokefs.wire.backend import DatasetInfo, FileSegment, Segment
+from spokefs.wire.backend import DatasetInfo, FileSegment, ReadContext, Segment
 
 RESERVED_NAMES = {"v1", "metrics"}
 
@@ -83,8 +83,8 @@ class HubBackend:
         d = self._stored(name, version).digests
         return d[index * DIGEST_SIZE:(index + 1) * DIGEST_SIZE] or None
 
-    async def read(self, name: str, version: str, start: int, end: int
-                   ) -> AsyncIterator[Segment]:
+    async def read(self, name: str, version: str, start: int, end: int,
+                   ctx: ReadContext | None = None) -> AsyncIterator[Segment]:
         st = self._state(name)
         stored = self._stored(name, version)
         path = os.path.join(st.root, stored.path)

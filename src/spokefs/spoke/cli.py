@@ -38,6 +38,11 @@ def register(sub: argparse._SubParsersAction) -> None:
                        "blocks, never serve bad ones)")
     serve.add_argument("--latest-ttl", type=parse_duration, default=10.0,
                        help="how long the upstream's latest snapshot is trusted (default 10s)")
+    serve.add_argument("--no-prefetch", action="store_true",
+                       help="only fetch what readers ask for (no readahead, no learning)")
+    serve.add_argument("--prefetch-inflight", type=parse_size, default=256 << 20,
+                       help="prefetch bytes in flight; about twice bandwidth x round trip "
+                       "(default 256MiB)")
     serve.set_defaults(func=_serve)
 
 
@@ -48,6 +53,7 @@ def _serve(args: argparse.Namespace) -> int:
     config = SpokeConfig(upstream=args.upstream, cache_dir=args.cache_dir,
                          cache_size=args.cache_size, policy=args.policy, deadline=args.deadline,
                          max_inflight=args.max_inflight, fsync=not args.no_fsync,
-                         latest_ttl=args.latest_ttl)
+                         latest_ttl=args.latest_ttl, prefetch=not args.no_prefetch,
+                         prefetch_inflight=args.prefetch_inflight)
     asyncio.run(run_spoke(config, args.host, args.port))
     return 0

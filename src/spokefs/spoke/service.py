@@ -31,11 +31,13 @@ from spokefs.cache.store import BlockStore
 from spokefs.errors import IntegrityError, NotFound, UpstreamUnavailable
 from spokefs.integrity import DEFAULT_BLOCK_SIZE, block_digest, blocks_in_range
 from spokefs.manifest import Manifest
+from spokefs.planner import Planner
 from spokefs.policy import BlockKey, make_policy
 from spokefs.retry import backoff_delays
-from spokefs.spoke.limiter import PriorityLimiter
+from spokefs.spoke.limiter import PriorityLimiter, Ticket
 from spokefs.spoke.metrics import SpokeMetrics
-from spokefs.wire.backend import DatasetInfo, FileSegment, Segment
+from spokefs.spoke.prefetch import PrefetchDriver
+from spokefs.wire.backend import DatasetInfo, FileSegment, ReadContext, Segment
 from spokefs.wire.client import Block, Transient, UpstreamClient
 
 log = logging.getLogger(__name__)
@@ -53,6 +55,9 @@ class SpokeConfig:
     max_inflight: int = 64          # upstream requests in flight (fill a long link)
     fsync: bool = True
     latest_ttl: float = 10.0        # how long "latest" is trusted before asking upstream
+    prefetch: bool = True           # run the planner (readahead, learned working sets, orders)
+    prefetch_inflight: int = 256 << 20   # prefetch bytes outstanding (~2x bandwidth x RTT)
+    readahead_max: int = 64 << 20   # largest sequential readahead window per stream
 
 
 class SpokeBackend:
@@ -67,6 +72,8 @@ class SpokeBackend:
         self.upstream = UpstreamClient(config.upstream, max_connections=config.max_inflight)
         self.limiter = PriorityLimiter(config.max_inflight)
         self._inflight: dict[BlockKey, asyncio.Future[Block]] = {}
+        self._tickets: dict[BlockKey, Ticket] = {}
+        self.prefetch: PrefetchDriver | None = None  # set by start() unless disabled
         self._digests: OrderedDict[BlockKey, bytes] = OrderedDict()  # of passed-through blocks
         self._datasets: dict[str, tuple[float, DatasetInfo]] = {}
         self._manifests: OrderedDict[tuple[str, str], Manifest] = OrderedDict()
@@ -88,6 +95,13 @@ class SpokeBackend:
         self.metrics.cache_writable.set_function(lambda: 1 if self.store.writable else 0)
         self.metrics.inflight.set_function(lambda: self.limiter.active)
         self.spawn(self._housekeeping())
+        if self.config.prefetch:
+            planner = Planner(capacity=self.store.capacity,
+                              max_inflight_bytes=self.config.prefetch_inflight,
+                              readahead_max_bytes=self.config.readahead_max,
+                              resident=self.store)
+            self.prefetch = PrefetchDriver(self, planner)
+            self.spawn(self.prefetch.restore())
 
     async def close(self) -> None:
         tasks = list(self._tasks)
@@ -186,6 +200,9 @@ class SpokeBackend:
         return self.store.root / "manifests" / name / f"{snap_id}.json.gz"
 
     async def manifest_blob(self, name: str, snap_id: str) -> bytes:
+        if self.prefetch is not None and (name, snap_id) not in self._manifests:
+            # A client that fetched the manifest will read from it: let the planner know it.
+            self.spawn(self.manifest(name, snap_id))
         path = self._manifest_file(name, snap_id)
         try:
             return await asyncio.to_thread(path.read_bytes)
@@ -214,6 +231,8 @@ class SpokeBackend:
             self._manifests[key] = m
             while len(self._manifests) > 4:
                 self._manifests.popitem(last=False)
+            if self.prefetch is not None:
+                self.prefetch.use_manifest(m)
         return m
 
     async def create_snapshot(self, name: str) -> dict[str, object]:
@@ -242,10 +261,17 @@ class SpokeBackend:
         rec = self.store.get(key)
         return rec.digest if rec is not None else self._digests.get(key)
 
-    async def read(self, name: str, version: str, start: int, end: int
-                   ) -> AsyncIterator[Segment]:
+    async def read(self, name: str, version: str, start: int, end: int,
+                   ctx: ReadContext | None = None) -> AsyncIterator[Segment]:
         bs = (await self.dataset(name)).block_size
         indexes = blocks_in_range(start, end, bs)
+        if self.prefetch is not None:
+            ctx = ctx or ReadContext()
+            known = (ctx.path, ctx.size) if ctx.path is not None else self.prefetch.path_of(
+                name, version)
+            if known is not None and known[1] is not None:
+                self.prefetch.on_read(name, known[0], version, known[1], start, end,
+                                      ctx.reader, ctx.job)
         # Start every missing block now (the whole range is wanted), then send in order.
         pending = {i: self._start_fetch(name, version, i, DEMAND) for i in indexes
                    if (version, i) not in self.store}
@@ -274,25 +300,52 @@ class SpokeBackend:
 
     def _start_fetch(self, name: str, version: str, index: int,
                      priority: int) -> asyncio.Future[Block]:
+        """The one fetch of a block (single-flight); a reader joining a queued prefetch
+        raises its priority."""
         key = (version, index)
         fut = self._inflight.get(key)
         if fut is None:
-            fut = self.spawn(self._fetch(name, version, index, priority))
+            ticket = Ticket()
+            ticket.priority = priority
+            fut = self.spawn(self._fetch(name, version, index, priority, ticket))
             self._inflight[key] = fut
-            fut.add_done_callback(lambda _f: self._inflight.pop(key, None))
+            self._tickets[key] = ticket
+            fut.add_done_callback(lambda _f: self._fetch_finished(key, _f))
+        else:
+            self._tickets[key].raise_to(priority)
         return fut
 
-    async def _fetch(self, name: str, version: str, index: int, priority: int) -> Block:
+    def _fetch_finished(self, key: BlockKey, fut: asyncio.Future[Block]) -> None:
+        self._inflight.pop(key, None)
+        self._tickets.pop(key, None)
+        if not fut.cancelled():
+            fut.exception()  # retrieved: a failed prefetch nobody awaited is not an error
+        if self.prefetch is not None:
+            self.prefetch.fetch_finished(key, key in self.store)
+
+    def start_prefetch(self, name: str, key: BlockKey, priority: int) -> None:
+        self._start_fetch(name, key[0], key[1], priority)
+
+    def cancel_prefetch(self, key: BlockKey) -> None:
+        """Drop a prefetch that has not started yet (a started one runs to completion)."""
+        fut, ticket = self._inflight.get(key), self._tickets.get(key)
+        if fut is not None and ticket is not None and ticket.priority != DEMAND and (
+                ticket.future is not None and not ticket.future.done()):
+            fut.cancel()
+
+    async def _fetch(self, name: str, version: str, index: int, priority: int,
+                     ticket: Ticket) -> Block:
         bs = (await self.dataset(name)).block_size
         key = (version, index)
         what = f"block {index} of {version} ({name})"
         for attempt in range(3):
-            async with self.limiter.slot(priority):
+            async with self.limiter.slot(priority, ticket):
+                priority = ticket.priority
                 t0 = time.monotonic()
                 block = await self._retrying(what, self.upstream.read_range, name, version,
                                              index * bs, (index + 1) * bs)
                 self.metrics.fetch_seconds.observe(time.monotonic() - t0)
-            self.metrics.upstream_bytes.labels("demand" if priority == DEMAND else
+            self.metrics.upstream_bytes.labels("demand" if ticket.priority == DEMAND else
                                                "prefetch").inc(len(block.data))
             if block.digest is None:
                 raise IntegrityError(f"upstream sent {what} without a digest; cannot verify")
@@ -327,5 +380,6 @@ class SpokeBackend:
             "hit_ratio": hits / (hits + misses) if hits + misses else None,
             "inflight": self.limiter.active, "queued": self.limiter.queued,
             "deadline_s": self.config.deadline,
+            "prefetch": self.prefetch.stats() if self.prefetch is not None else None,
         }
 

@@ -42,6 +42,17 @@ class FileSegment:
 Segment = FileSegment | bytes | memoryview
 
 
+@dataclass(frozen=True, slots=True)
+class ReadContext:
+    """What a read is part of, for prediction: the file (when read by path), the reader's
+    stream (``X-Spokefs-Reader``) and job (``X-Spokefs-Job``)."""
+
+    path: str | None = None
+    size: int | None = None
+    reader: str = ""
+    job: str = ""
+
+
 class Backend(Protocol):
     role: str                      # "hub" or "spoke", shown in /v1/status and metrics
     registry: CollectorRegistry    # prometheus metrics of this service
@@ -53,6 +64,7 @@ class Backend(Protocol):
     async def manifest(self, name: str, snap_id: str) -> Manifest: ...
     async def object_size(self, name: str, version: str) -> int: ...  # NotFound, VersionGone
     async def block_digest(self, name: str, version: str, index: int) -> bytes | None: ...
-    def read(self, name: str, version: str, start: int, end: int) -> AsyncIterator[Segment]: ...
+    def read(self, name: str, version: str, start: int, end: int,
+             ctx: ReadContext | None = None) -> AsyncIterator[Segment]: ...
     async def create_snapshot(self, name: str) -> dict[str, object]: ...
     async def status(self) -> dict[str, object]: ...

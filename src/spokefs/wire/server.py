@@ -23,7 +23,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, Counter, generate_latest
 
 from spokefs.errors import BadRequest, NotFound, RangeNotSatisfiable, SpokeError
 from spokefs.manifest import FileEntry
-from spokefs.wire.backend import Backend, FileSegment, Segment
+from spokefs.wire.backend import Backend, FileSegment, ReadContext, Segment
 from spokefs.wire.paths import check_dataset_name, clean_path, split_dataset_ref
 from spokefs.wire.ranges import parse_range
 
@@ -34,6 +34,8 @@ H_BLOCK_SIZE = "X-Spokefs-Block-Size"
 H_DIGEST = "X-Spokefs-Block-Digest"  # hex xxh3-128 of the block, on single-block reads
 H_VERSION = "X-Spokefs-Version"
 H_SNAPSHOT = "X-Spokefs-Snapshot"
+H_READER = "X-Spokefs-Reader"  # names one sequential stream (a worker, a file handle)
+H_JOB = "X-Spokefs-Job"        # names the training job, for announced orders and learning
 
 BACKEND_KEY = web.AppKey("backend", Backend)
 
@@ -206,7 +208,10 @@ class Api:
             await resp.prepare(request)
             await resp.write_eof()
             return resp
-        segments = self.backend.read(ds, version, start, end)
+        ctx = ReadContext(entry.path if entry else None, size,
+                          request.headers.get(H_READER, "") or _peer(request),
+                          request.headers.get(H_JOB, ""))
+        segments = self.backend.read(ds, version, start, end, ctx)
         # Await the first bytes before sending headers: an upstream failure can still be a 503.
         first = await anext(segments)  # type: ignore[call-overload]
         if start % bs == 0 and (end == size or end - start == bs) and end - start <= bs:
@@ -255,6 +260,12 @@ class Api:
             title = f"{ds}@{snap_id}/{path}"
             return _html_page(title, "".join(items), {H_SNAPSHOT: snap_id})
         raise NotFound(f"{ds}@{snap_id} has no file or folder {path!r}")
+
+
+def _peer(request: web.Request) -> str:
+    """Without a reader header, one connection is one stream (kept-alive clients)."""
+    peer = request.transport.get_extra_info("peername") if request.transport else None
+    return f"{peer[0]}:{peer[1]}" if peer else ""
 
 
 def _html_page(title: str, items: str, headers: dict[str, str] | None = None) -> web.Response:
