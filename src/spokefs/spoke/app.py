@@ -4,13 +4,14 @@ from __future__ import annotations
 
 from aiohttp import web
 
+from spokefs.spoke.routes import SpokeRoutes
 from spokefs.spoke.service import SpokeBackend, SpokeConfig
 from spokefs.wire.run import serve_forever
 from spokefs.wire.server import build_app
 
 
 def build_spoke_app(backend: SpokeBackend) -> web.Application:
-    app = build_app(backend)
+    app = build_app(backend, SpokeRoutes(backend).routes())
 
     async def lifecycle(app: web.Application):
         await backend.start()

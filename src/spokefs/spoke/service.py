@@ -29,7 +29,7 @@ from prometheus_client import CollectorRegistry
 
 from spokefs.cache.store import BlockStore
 from spokefs.errors import IntegrityError, NotFound, UpstreamUnavailable
-from spokefs.integrity import DEFAULT_BLOCK_SIZE, block_digest, blocks_in_range
+from spokefs.integrity import DEFAULT_BLOCK_SIZE, block_count, block_digest, blocks_in_range
 from spokefs.manifest import Manifest
 from spokefs.planner import Planner
 from spokefs.policy import BlockKey, make_policy
@@ -43,6 +43,7 @@ from spokefs.wire.client import Block, Transient, UpstreamClient
 log = logging.getLogger(__name__)
 
 DEMAND = 0  # priority of a block a reader is waiting for
+WARM = 1 << 20  # operator warm-up: behind demand and the planner's prefetches
 
 
 @dataclass
@@ -366,6 +367,56 @@ class SpokeBackend:
             while len(self._digests) > 4096:
                 self._digests.popitem(last=False)
         return block
+
+    # -- warm-up, residency, purge -----------------------------------------------------------
+    def warm(self, m: Manifest, files: list[int], pin: bool = False) -> dict[str, int]:
+        """Fetch every block of ``files`` in the background (behind demand reads), optionally
+        pinned; returns what it will fetch. Progress: ``residency``."""
+        bs = m.block_size
+        keys = [(m.versions[i], b) for i in files for b in range(block_count(m.sizes[i], bs))]
+        if pin:
+            for k in keys:
+                self.store.pin(k)
+        todo = [k for k in keys if k not in self.store]
+        self.spawn(self._warm(m.dataset, todo))
+        return {"files": len(files), "blocks": len(keys), "bytes": sum(m.sizes[i] for i in files),
+                "blocks_to_fetch": len(todo)}
+
+    async def _warm(self, name: str, keys: list[BlockKey]) -> None:
+        # A bounded window of fetches at a time: a million blocks is not a million tasks.
+        window = asyncio.Semaphore(2 * self.config.max_inflight)
+
+        async def one(key: BlockKey) -> None:
+            try:
+                await asyncio.shield(self._start_fetch(name, key[0], key[1], WARM))
+            except Exception as exc:
+                log.warning("warm: block %s-%d not fetched: %s", key[0], key[1], exc)
+            finally:
+                window.release()
+
+        async with asyncio.TaskGroup() as tg:
+            for key in keys:
+                await window.acquire()
+                if key in self.store:
+                    window.release()
+                    continue
+                tg.create_task(one(key))
+
+    def residency(self, m: Manifest, files: list[int]) -> dict[str, object]:
+        bs = m.block_size
+        total = resident = full = 0
+        for i in files:
+            size = m.sizes[i]
+            total += size
+            have = sum(min(bs, size - b * bs) for b in range(block_count(size, bs))
+                       if (m.versions[i], b) in self.store)
+            resident += have
+            full += have == size
+        return {"files": len(files), "bytes": total, "resident_bytes": resident,
+                "resident_files": full, "fraction": resident / total if total else 1.0}
+
+    async def purge(self, name: str | None) -> int:
+        return await asyncio.to_thread(self.store.purge, name)
 
     # -- operator view -----------------------------------------------------------------------
     async def status(self) -> dict[str, object]:

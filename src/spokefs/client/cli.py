@@ -1,0 +1,144 @@
+"""Client commands: ``warm``, ``status``, ``purge``, ``ls``, ``cat``."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+from spokefs.units import format_size, parse_duration
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    warm = sub.add_parser(
+        "warm", help="fill a spoke with a working set before the accelerators are billed",
+        description="Fetch files into a spoke's cache in the background, with a progress bar. "
+        "URL is http://spoke:port/<dataset>[@<snapshot>][/<folder>].")
+    warm.add_argument("url", metavar="URL")
+    g = warm.add_mutually_exclusive_group()
+    g.add_argument("--paths", type=Path, metavar="FILE", help="file with one path per line")
+    g.add_argument("--order", type=Path, metavar="FILE",
+                   help="an announced-order file (one path per line, in reading order)")
+    warm.add_argument("path", nargs="*", help="paths inside the dataset (default: all of URL)")
+    warm.add_argument("--pin", action="store_true", help="keep these files resident")
+    warm.add_argument("--wait", action="store_true", help="return once everything is resident")
+    warm.add_argument("--timeout", type=parse_duration, help="give up waiting after this long")
+    warm.set_defaults(func=_warm)
+
+    status = sub.add_parser("status", help="show a hub's or spoke's state",
+                            description="Cache use, hit ratio, upstream health, prefetch.")
+    status.add_argument("url", metavar="URL", help="http://host:port")
+    status.add_argument("--json", action="store_true", help="print raw JSON")
+    status.set_defaults(func=_status)
+
+    purge = sub.add_parser("purge", help="drop cached blocks from a spoke",
+                           description="Drop every cached block (of one dataset with URL "
+                           "http://spoke:port/<dataset>).")
+    purge.add_argument("url", metavar="URL")
+    purge.set_defaults(func=_purge)
+
+    ls = sub.add_parser("ls", help="list a folder of a dataset snapshot")
+    ls.add_argument("url", metavar="URL")
+    ls.set_defaults(func=_ls)
+
+    cat = sub.add_parser("cat", help="write a file of a dataset snapshot to stdout")
+    cat.add_argument("url", metavar="URL")
+    cat.set_defaults(func=_cat)
+
+
+def _read_list(path: Path) -> list[str]:
+    return [line.strip() for line in path.read_text().splitlines() if line.strip()]
+
+
+def _warm(args: argparse.Namespace) -> int:
+    from spokefs.client.control import SpokeControl
+    from spokefs.client.urls import parse_url
+
+    u = parse_url(args.url)
+    ctl = SpokeControl(args.url)
+    paths = None
+    if args.paths or args.order:
+        paths = _read_list(args.paths or args.order)
+    elif args.path:
+        paths = [p.strip("/") for p in args.path]
+    r = ctl.warm(paths=paths, prefix=None if paths else u.path, pin=args.pin, wait=args.wait,
+                 timeout=args.timeout)
+    if args.wait:
+        print(f"resident: {r['resident_files']}/{r['files']} files, "
+              f"{format_size(r['resident_bytes'])} of {format_size(r['bytes'])}")
+    else:
+        print(f"warming {r['files']} files ({format_size(r['bytes'])}), "
+              f"{r['blocks_to_fetch']} blocks to fetch; `spokefs warm --wait` to follow")
+    return 0
+
+
+def _status(args: argparse.Namespace) -> int:
+    from spokefs.client.sync import Client
+
+    base = args.url.rstrip("/")
+    doc = Client(base, deadline=5).get_json("/v1/status")
+    if args.json:
+        print(json.dumps(doc, indent=2))
+        return 0
+    print(f"{doc['role']} at {base}")
+    if doc["role"] == "hub":
+        for d in doc["datasets"]:
+            latest = d["latest"] or {}
+            print(f"  {d['name']}: {d['snapshots']} snapshots, latest {latest.get('id')} "
+                  f"({latest.get('files')} files, {format_size(latest.get('bytes') or 0)})")
+        return 0
+    c = doc["cache"]
+    hr = doc["hit_ratio"]
+    print(f"  upstream   {doc['upstream']}  "
+          f"{'OK' if not doc['upstream_error'] else 'ERROR: ' + doc['upstream_error']}")
+    print(f"  cache      {format_size(c['used_bytes'])} of {format_size(c['capacity_bytes'])} "
+          f"in {c['blocks']} blocks, policy {c['policy']}"
+          f"{'' if c['writable'] else ', NOT WRITABLE (passing through)'}")
+    print(f"  reads      {int(doc['hits'])} hits, {int(doc['misses'])} misses"
+          f"{'' if hr is None else f', hit ratio {hr:.3f}'}")
+    print(f"  upstream   {doc['inflight']} requests in flight, {doc['queued']} queued")
+    if doc.get("prefetch"):
+        p = doc["prefetch"]
+        print(f"  prefetch   {format_size(p.get('inflight_bytes', 0))} in flight, "
+              f"{format_size(p.get('pinned_bytes', 0))} pinned")
+    return 0
+
+
+def _purge(args: argparse.Namespace) -> int:
+    from spokefs.client.sync import Client
+    from spokefs.client.urls import parse_url
+
+    if "/" in args.url.split("://", 1)[-1].strip("/"):
+        u = parse_url(args.url)
+        base, ds = u.base, u.dataset
+    else:
+        base, ds = args.url.rstrip("/"), None
+    r = Client(base).post_json("/v1/purge", {"dataset": ds})
+    print(f"freed {format_size(r['freed_bytes'])}")
+    return 0
+
+
+def _ls(args: argparse.Namespace) -> int:
+    from spokefs.client.sync import Client
+    from spokefs.client.urls import parse_url
+
+    u = parse_url(args.url)
+    e = Client(u.base).entry(u.dataset, u.snapshot, u.path)
+    if e["type"] == "file":
+        print(f"{e['size']:>12}  {e['path']}")
+        return 0
+    for d in e["dirs"]:
+        print(f"{'-':>12}  {d}/")
+    for f in e["files"]:
+        print(f"{f['size']:>12}  {f['path'].rsplit('/', 1)[-1]}")
+    return 0
+
+
+def _cat(args: argparse.Namespace) -> int:
+    import spokefs
+
+    with spokefs.open(args.url) as f:
+        while chunk := f.read(1 << 20):
+            sys.stdout.buffer.write(chunk)
+    return 0

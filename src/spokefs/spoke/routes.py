@@ -1,0 +1,145 @@
+"""The spoke's own routes: announced orders, epochs, warm-up, residency, purge.
+
+See docs/protocol.md ("Spoke control"). Paths in a request name files of one snapshot
+(``snapshot``, default latest, resolved once); an unknown path is a 400 naming it.
+"""
+
+from __future__ import annotations
+
+import gzip
+import json
+from typing import Any
+
+from aiohttp import web
+
+from spokefs.errors import BadRequest
+from spokefs.manifest import Manifest
+from spokefs.spoke.service import SpokeBackend
+from spokefs.wire.paths import check_dataset_name
+
+
+async def _body(request: web.Request) -> dict[str, Any]:
+    raw = await request.read()  # aiohttp inflates a gzip'd body (orders compress ~10x)
+    if raw[:2] == b"\x1f\x8b":
+        try:
+            raw = gzip.decompress(raw)
+        except (OSError, EOFError) as exc:
+            raise BadRequest(f"request body is not valid gzip: {exc}") from exc
+    if not raw:
+        return {}
+    try:
+        doc = json.loads(raw)
+    except ValueError as exc:
+        raise BadRequest(f"request body is not JSON: {exc}") from exc
+    if not isinstance(doc, dict):
+        raise BadRequest("request body must be a JSON object")
+    return doc
+
+
+def _job(request: web.Request) -> str:
+    job = request.match_info["job"]
+    if not job or len(job) > 200 or "/" in job:
+        raise BadRequest(f"invalid job name {job!r}")
+    return job
+
+
+def select_files(m: Manifest, doc: dict[str, Any]) -> list[int]:
+    """Manifest indexes named by ``paths`` (list), ``indexes`` (list) or ``prefix`` (folder)."""
+    if "indexes" in doc:
+        idx = doc["indexes"]
+        if not isinstance(idx, list) or not all(isinstance(i, int) and 0 <= i < len(m)
+                                                for i in idx):
+            raise BadRequest(f"indexes must be integers in [0, {len(m)})")
+        return idx
+    if "paths" in doc:
+        out, unknown = [], []
+        for p in doc["paths"]:
+            i = m.index(str(p).strip("/"))
+            if i is None:
+                unknown.append(p)
+            else:
+                out.append(i)
+        if unknown:
+            raise BadRequest(f"{len(unknown)} paths are not in {m.dataset}@{m.snapshot}, "
+                             f"e.g. {unknown[:3]}")
+        return out
+    prefix = str(doc.get("prefix", "")).strip("/")
+    if prefix and not m.is_dir(prefix) and m.lookup(prefix) is None:
+        raise BadRequest(f"{prefix!r} is not a file or folder of {m.dataset}@{m.snapshot}")
+    if m.lookup(prefix) is not None:
+        return [m.index(prefix)]  # type: ignore[list-item]
+    start = f"{prefix}/" if prefix else ""
+    return [i for i, p in enumerate(m.paths) if p.startswith(start)]
+
+
+class SpokeRoutes:
+    def __init__(self, backend: SpokeBackend) -> None:
+        self.backend = backend
+
+    def routes(self) -> list[web.RouteDef]:
+        return [
+            web.post("/v1/datasets/{ds}/jobs/{job}/order", self.order),
+            web.post("/v1/datasets/{ds}/jobs/{job}/epoch", self.epoch),
+            web.delete("/v1/datasets/{ds}/jobs/{job}", self.end_job),
+            web.post("/v1/datasets/{ds}/warm", self.warm),
+            web.post("/v1/datasets/{ds}/residency", self.residency),
+            web.post("/v1/purge", self.purge),
+        ]
+
+    async def _manifest(self, ds: str, doc: dict[str, Any]) -> Manifest:
+        snap = await self.backend.resolve(ds, str(doc.get("snapshot") or "latest"))
+        return await self.backend.manifest(ds, snap)
+
+    async def order(self, request: web.Request) -> web.Response:
+        ds, job = check_dataset_name(request.match_info["ds"]), _job(request)
+        doc = await _body(request)
+        m = await self._manifest(ds, doc)
+        files = select_files(m, doc)
+        ranges = doc.get("ranges")
+        if ranges is not None and len(ranges) != len(files):
+            raise BadRequest("ranges must have one [offset, length] per file")
+        if self.backend.prefetch is None:
+            raise BadRequest("this spoke runs without prefetch (--no-prefetch)")
+        self.backend.prefetch.use_manifest(m)
+        self.backend.prefetch.announce(ds, job, int(doc.get("epoch", 0)), files,
+                                       [tuple(r) for r in ranges] if ranges else None)
+        return web.json_response({"dataset": ds, "snapshot": m.snapshot, "job": job,
+                                  "files": len(files),
+                                  "bytes": sum(m.sizes[i] for i in files)})
+
+    async def epoch(self, request: web.Request) -> web.Response:
+        ds, job = check_dataset_name(request.match_info["ds"]), _job(request)
+        doc = await _body(request)
+        if self.backend.prefetch is not None:
+            self.backend.prefetch.epoch(ds, job, int(doc.get("epoch", 0)))
+        return web.json_response({"dataset": ds, "job": job, "epoch": doc.get("epoch", 0)})
+
+    async def end_job(self, request: web.Request) -> web.Response:
+        ds, job = check_dataset_name(request.match_info["ds"]), _job(request)
+        if self.backend.prefetch is not None:
+            self.backend.prefetch.job_ended(ds, job)
+        return web.json_response({"dataset": ds, "job": job, "ended": True})
+
+    async def warm(self, request: web.Request) -> web.Response:
+        ds = check_dataset_name(request.match_info["ds"])
+        doc = await _body(request)
+        m = await self._manifest(ds, doc)
+        files = select_files(m, doc)
+        plan = self.backend.warm(m, files, pin=bool(doc.get("pin", False)))
+        return web.json_response({"dataset": ds, "snapshot": m.snapshot, **plan}, status=202)
+
+    async def residency(self, request: web.Request) -> web.Response:
+        ds = check_dataset_name(request.match_info["ds"])
+        doc = await _body(request)
+        m = await self._manifest(ds, doc)
+        files = select_files(m, doc)
+        return web.json_response({"dataset": ds, "snapshot": m.snapshot,
+                                  **self.backend.residency(m, files)})
+
+    async def purge(self, request: web.Request) -> web.Response:
+        doc = await _body(request)
+        ds = doc.get("dataset")
+        if ds is not None:
+            check_dataset_name(ds)
+        freed = await self.backend.purge(ds)
+        return web.json_response({"dataset": ds, "freed_bytes": freed})
