@@ -1,0 +1,160 @@
+"""``spokefs mount`` and ``spokefs umount``."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import hashlib
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from spokefs.errors import ConfigError
+from spokefs.units import parse_duration, parse_size
+
+if TYPE_CHECKING:
+    from spokefs.mount.run import MountOptions
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    m = sub.add_parser(
+        "mount", help="mount a dataset snapshot as a read-only folder (FUSE)",
+        description="Mount one snapshot of a dataset as an ordinary read-only folder, so "
+        "training code reads it with open() and read(). The snapshot is resolved once at "
+        "start (URL without @SNAPSHOT = the latest) and stays pinned. File listings and "
+        "stat come from the snapshot's manifest and never cross the network; reads go to "
+        "the spoke or hub in the URL, or through a cache inside this process with "
+        "--cache-dir. Without --foreground the command returns once the mount works.",
+        epilog="examples:\n"
+        "  spokefs mount http://127.0.0.1:8471/imagenet /mnt/imagenet\n"
+        "  spokefs mount http://hub:8470/imagenet@3fa9c1d20b7e /mnt/in --cache-dir /nvme/c "
+        "--cache-size 500GiB\n"
+        "  spokefs umount /mnt/imagenet",
+        formatter_class=argparse.RawDescriptionHelpFormatter)
+    m.add_argument("url", metavar="URL",
+                   help="http://HOST:PORT/DATASET[@SNAPSHOT] on a spoke (usual) or a hub")
+    m.add_argument("mountpoint", metavar="MOUNTPOINT", type=Path,
+                   help="an existing empty folder")
+    m.add_argument("--cache-dir", type=Path,
+                   help="embed a block cache in this process, kept in this folder (single-node "
+                   "use without a spoke service); needs --cache-size")
+    m.add_argument("--cache-size", type=parse_size,
+                   help="hard bound on the embedded cache, e.g. 200GiB")
+    m.add_argument("-f", "--foreground", action="store_true",
+                   help="stay in the foreground and log to stderr (Ctrl-C unmounts)")
+    m.add_argument("--allow-other", action="store_true",
+                   help="let other users read the mount (non-root needs user_allow_other in "
+                   "/etc/fuse.conf)")
+    m.add_argument("--deadline", type=parse_duration, default=30.0,
+                   help="a read the upstream cannot answer for this long fails with EIO "
+                   "instead of hanging (default 30s)")
+    m.add_argument("--read-ahead-kb", type=int, default=None, metavar="KB",
+                   help="kernel readahead of the mount in KiB; sets the size of the reads the "
+                   "kernel asks for (default 4096; needs root, else the kernel's 128)")
+    m.add_argument("--log-file", type=Path,
+                   help="where a background mount logs (default "
+                   "~/.local/state/spokefs/mount/NAME-HASH.log)")
+    m.add_argument("--ready-fd", type=int, help=argparse.SUPPRESS)  # set by the daemoniser
+    m.set_defaults(func=_mount)
+
+    u = sub.add_parser(
+        "umount", help="unmount a spokefs mount (also a dead one)",
+        description="Detach a mount lazily (fusermount3 -u -z, else umount -l): works while "
+        "files are open, and clears a mount whose process died ('Transport endpoint is not "
+        "connected'). A live mount process exits by itself once unmounted.")
+    u.add_argument("mountpoint", metavar="MOUNTPOINT", type=Path)
+    u.set_defaults(func=_umount)
+
+
+def _mount(args: argparse.Namespace) -> int:
+    from spokefs.mount.run import DEFAULT_READ_AHEAD_KB, MountOptions
+
+    if (args.cache_dir is None) != (args.cache_size is None):
+        raise ConfigError("--cache-dir and --cache-size go together (embedded cache)")
+    if args.deadline <= 0:
+        raise ConfigError("--deadline must be positive")
+    opts = MountOptions(url=args.url, mountpoint=args.mountpoint, cache_dir=args.cache_dir,
+                        cache_size=args.cache_size or 0, deadline=args.deadline,
+                        allow_other=args.allow_other,
+                        read_ahead_kb=args.read_ahead_kb or DEFAULT_READ_AHEAD_KB)
+    if not args.foreground:
+        return _daemonise(args)
+    return _foreground(opts, args.ready_fd)
+
+
+def _foreground(opts: MountOptions, ready_fd: int | None) -> int:
+    from spokefs.mount.run import serve
+
+    def on_ready(message: str) -> None:
+        print(message, flush=True)
+        if ready_fd is not None:  # tell the waiting parent, then let go of its pipe
+            os.write(ready_fd, (message + "\n").encode())
+            os.close(ready_fd)
+
+    asyncio.run(serve(opts, on_ready))
+    return 0
+
+
+def _default_log(mountpoint: Path) -> Path:
+    state = Path(os.environ.get("XDG_STATE_HOME") or Path.home() / ".local" / "state")
+    where = str(mountpoint.absolute())
+    tag = hashlib.blake2b(where.encode(), digest_size=4).hexdigest()
+    return state / "spokefs" / "mount" / f"{mountpoint.absolute().name or 'root'}-{tag}.log"
+
+
+def _daemonise(args: argparse.Namespace) -> int:
+    """Run the mount as a detached child and return once it says it is ready."""
+    log_file = args.log_file or _default_log(args.mountpoint)
+    log_file.parent.mkdir(parents=True, exist_ok=True)
+    r, w = os.pipe()
+    cmd = [sys.executable, "-m", "spokefs.cli", *["-v"] * args.verbose, "mount",
+           "--foreground", "--ready-fd", str(w), "--deadline", repr(args.deadline)]
+    if args.cache_dir is not None:
+        cmd += ["--cache-dir", str(args.cache_dir.absolute()), "--cache-size",
+                str(args.cache_size)]
+    if args.allow_other:
+        cmd.append("--allow-other")
+    if args.read_ahead_kb is not None:
+        cmd += ["--read-ahead-kb", str(args.read_ahead_kb)]
+    cmd += [args.url, str(args.mountpoint.absolute())]
+    with open(log_file, "ab") as log:
+        child = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=log, stderr=log,
+                                 pass_fds=(w,), start_new_session=True)
+    os.close(w)
+    with os.fdopen(r, "rb") as ready:
+        message = ready.readline().decode().strip()  # EOF: the child exited (or closed it)
+    if message:
+        print(f"{message} (pid {child.pid}, log {log_file})")
+        return 0
+    code = child.wait()
+    tail = _tail(log_file)
+    print(f"spokefs: error: mount exited with status {code}; last log lines:\n{tail}",
+          file=sys.stderr)
+    return code or 1
+
+
+def _tail(path: Path, lines: int = 15) -> str:
+    try:
+        return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
+    except OSError:
+        return "(no log)"
+
+
+def _umount(args: argparse.Namespace) -> int:
+    from spokefs.mount.process import unmount
+
+    t0 = time.monotonic()
+    try:
+        done = unmount(args.mountpoint)
+    except OSError as exc:
+        print(f"spokefs: error: cannot unmount {args.mountpoint}: {exc.strerror}",
+              file=sys.stderr)
+        return 1
+    if not done:
+        print(f"spokefs: {args.mountpoint} is not mounted", file=sys.stderr)
+        return 1
+    print(f"unmounted {args.mountpoint} ({time.monotonic() - t0:.2f}s)")
+    return 0

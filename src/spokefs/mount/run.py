@@ -1,0 +1,167 @@
+"""Running a mount: load the snapshot, mount, serve FUSE requests, unmount cleanly.
+
+The order matters: the manifest is loaded (and ``latest`` pinned) before anything is mounted,
+so a mountpoint never appears that cannot answer ``ls``; readiness is announced only after a
+``stat`` of the mountpoint has gone through the kernel and back, so whoever waits for it can
+read at once. SIGTERM and SIGINT end the FUSE loop and unmount.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import errno
+import logging
+import os
+import signal
+import subprocess
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import pyfuse3
+import pyfuse3.asyncio
+
+from spokefs.errors import ConfigError, UpstreamUnavailable
+from spokefs.mount import sysfs
+from spokefs.mount.coalesce import Coalescer
+from spokefs.mount.fs import SnapshotFS
+from spokefs.mount.inodes import InodeTable
+from spokefs.mount.source import EmbeddedSource, ReadFailed, Source, Target, UpstreamSource
+from spokefs.units import format_size
+
+log = logging.getLogger(__name__)
+
+DEFAULT_READ_AHEAD_KB = 4096  # measured best on loopback (docs/mount.md); 128 is the default
+MAX_TASKS = 128               # FUSE requests served at once (kernel readahead sends several)
+
+
+@dataclass
+class MountOptions:
+    url: str
+    mountpoint: Path
+    cache_dir: Path | None = None      # set: embed a cache instead of reading a spoke service
+    cache_size: int = 0
+    deadline: float = 30.0
+    allow_other: bool = False
+    read_ahead_kb: int = DEFAULT_READ_AHEAD_KB
+
+
+def fuse_options(opts: MountOptions) -> set[str]:
+    o = {"fsname=spokefs", "subtype=spokefs", "ro", "default_permissions"}
+    if opts.allow_other:
+        o.add("allow_other")
+    return o
+
+
+def make_source(opts: MountOptions) -> Source:
+    target = Target.parse(opts.url)
+    if opts.cache_dir is not None:
+        return EmbeddedSource(target, opts.cache_dir, opts.cache_size, opts.deadline)
+    return UpstreamSource(target, opts.deadline)
+
+
+def clear_stale(mountpoint: Path) -> None:
+    """Refuse a live mount; lazily unmount a dead one (its process is gone: ENOTCONN)."""
+    if sysfs.is_mounted(mountpoint):
+        try:
+            os.statvfs(mountpoint)  # statfs always reaches the filesystem; stat may be cached
+        except OSError as exc:
+            if exc.errno != errno.ENOTCONN:
+                raise ConfigError(f"cannot use mountpoint {mountpoint}: {exc.strerror}") from exc
+            log.warning("%s is a dead mount (transport endpoint not connected); unmounting it",
+                        mountpoint)
+            lazy_unmount(mountpoint)
+        else:
+            raise ConfigError(f"{mountpoint} is already mounted; run `spokefs umount "
+                              f"{mountpoint}` first")
+    if not mountpoint.is_dir():
+        raise ConfigError(f"mountpoint {mountpoint} is not a directory (create it first)")
+
+
+def lazy_unmount(mountpoint: Path) -> None:
+    """Detach a FUSE mount even if busy or dead; raises OSError with the tool's message."""
+    last = ""
+    for cmd in (["fusermount3", "-u", "-z", str(mountpoint)],
+                ["umount", "-l", str(mountpoint)]):
+        try:
+            r = subprocess.run(cmd, capture_output=True, text=True, timeout=30)
+        except FileNotFoundError:
+            continue
+        if r.returncode == 0:
+            return
+        last = (r.stderr or r.stdout).strip()
+    raise OSError(errno.EBUSY, last or "neither fusermount3 nor umount is installed")
+
+
+async def serve(opts: MountOptions, on_ready: Callable[[str], None]) -> None:
+    """Mount and serve until unmounted or signalled; ``on_ready(message)`` once usable."""
+    pyfuse3.asyncio.enable()
+    mountpoint = opts.mountpoint.absolute()
+    clear_stale(mountpoint)
+    source = make_source(opts)
+    try:
+        t0 = time.monotonic()
+        try:
+            manifest = await source.open()
+        except ReadFailed as exc:
+            raise UpstreamUnavailable(f"cannot mount {source.target}: {exc}",
+                                      source.target.base, str(exc)) from exc
+        table = InodeTable(manifest)
+        del manifest  # the table keeps the columns it needs
+        log.info("snapshot %s@%s: %d files, %s, loaded in %.2fs", table.dataset,
+                 table.snapshot, table.file_count, format_size(table.total_bytes),
+                 time.monotonic() - t0)
+        reader = Coalescer(source.read_into, table.block_size)
+        try:
+            await _serve_fuse(opts, mountpoint, SnapshotFS(table, reader), on_ready)
+        finally:
+            await reader.close()
+    finally:
+        await source.close()
+
+
+async def _serve_fuse(opts: MountOptions, mountpoint: Path, ops: SnapshotFS,
+                      on_ready: Callable[[str], None]) -> None:
+    loop = asyncio.get_running_loop()
+    pyfuse3.init(ops, str(mountpoint), fuse_options(opts))
+    try:
+        stopping = False
+
+        def stop() -> None:
+            nonlocal stopping
+            if not stopping:
+                stopping = True
+                log.info("signal received: unmounting %s", mountpoint)
+                pyfuse3.terminate()
+
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.add_signal_handler(sig, stop)
+        main = asyncio.ensure_future(pyfuse3.main(min_tasks=1, max_tasks=MAX_TASKS))
+        # A stat that the kernel forwards to us and back proves the mount answers.
+        probe = asyncio.ensure_future(asyncio.to_thread(os.stat, mountpoint))
+        await asyncio.wait({main, probe}, return_when=asyncio.FIRST_COMPLETED)
+        if probe.done():
+            try:
+                if probe.result().st_ino != pyfuse3.ROOT_INODE:
+                    raise RuntimeError(f"{mountpoint} did not come up as a spokefs mount")
+            except BaseException:
+                pyfuse3.terminate()
+                await main
+                raise
+            # Only now: the kernel lowers readahead to what INIT offered (128 KiB) when it
+            # processes INIT, which happens in the first request the loop serves.
+            ra = sysfs.set_read_ahead_kb(mountpoint, opts.read_ahead_kb)
+            t = ops.table
+            on_ready(f"spokefs mount ready: {t.dataset}@{t.snapshot} at {mountpoint} "
+                     f"({t.file_count} files, {format_size(t.total_bytes)}, "
+                     f"read_ahead_kb={ra if ra is not None else 'unchanged'})")
+        await main
+    finally:
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.remove_signal_handler(sig)
+        # libfuse detaches lazily as root (MNT_DETACH), so busy readers cannot block this.
+        pyfuse3.close(unmount=True)
+        c = ops.counters
+        log.info("unmounted %s: %d reads, %s, %d failed", mountpoint, c.reads,
+                 format_size(c.read_bytes), c.read_errors)

@@ -1,0 +1,554 @@
+"""The FUSE mount, for real: hub and spoke processes, ``spokefs mount`` processes, POSIX reads.
+
+Unit tests of the pieces (URL parsing, retry deadline, block coalescing, mountinfo parsing)
+run anywhere; the rest need a usable /dev/fuse and are skipped with the reason otherwise.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import errno
+import hashlib
+import io
+import mmap
+import os
+import random
+import re
+import signal
+import stat
+import subprocess
+import sys
+import tarfile
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).parent))
+
+from servers import ServerProcess, hub, make_dataset, spoke
+from spokefs.errors import ConfigError
+from spokefs.mount import sysfs
+from spokefs.mount.coalesce import Coalescer
+from spokefs.mount.process import MountError, MountProcess, unmount
+from spokefs.mount.source import ReadFailed, Target, retry_until
+from spokefs.wire.client import Transient
+
+
+def _fuse_unusable() -> str | None:
+    if not Path("/dev/fuse").exists():
+        return "/dev/fuse does not exist"
+    try:
+        os.close(os.open("/dev/fuse", os.O_RDWR))
+    except OSError as exc:
+        return f"cannot open /dev/fuse: {exc.strerror}"
+    if not any(Path(d, "fusermount3").exists() for d in os.environ["PATH"].split(":")):
+        return "fusermount3 is not installed"
+    try:
+        import pyfuse3  # noqa: F401
+    except ImportError as exc:
+        return f"pyfuse3 is not importable: {exc}"
+    return None
+
+
+FUSE_REASON = _fuse_unusable()
+needs_fuse = pytest.mark.skipif(FUSE_REASON is not None, reason=f"no FUSE: {FUSE_REASON}")
+
+
+# -- unit tests (no FUSE) ----------------------------------------------------------------------
+def test_target_parse() -> None:
+    t = Target.parse("http://127.0.0.1:8471/imagenet")
+    assert (t.base, t.dataset, t.snapshot) == ("http://127.0.0.1:8471", "imagenet", "latest")
+    t = Target.parse("http://hub:8470/prefix/ds@3fa9c1d20b7e/")
+    assert (t.base, t.dataset, t.snapshot) == ("http://hub:8470/prefix", "ds", "3fa9c1d20b7e")
+    for bad in ("hub:8470/ds", "http://hub:8470", "http://hub:8470/", "ftp://h/ds"):
+        with pytest.raises(ConfigError):
+            Target.parse(bad)
+
+
+class FakeClock:
+    def __init__(self) -> None:
+        self.now = 0.0
+        self.slept: list[float] = []
+
+    def time(self) -> float:
+        return self.now
+
+    async def sleep(self, s: float) -> None:
+        self.slept.append(s)
+        self.now += s
+
+
+async def test_retry_until_gives_up_at_the_deadline_then_recovers() -> None:
+    clock = FakeClock()
+    calls = 0
+
+    async def down() -> bytes:
+        nonlocal calls
+        calls += 1
+        raise Transient("connection refused")
+
+    with pytest.raises(ReadFailed, match=r"unavailable for 2s \(connection refused\)"):
+        await retry_until(2.0, "block 0", down, now=clock.time, sleep=clock.sleep)
+    assert calls > 3 and clock.now <= 2.0 and max(clock.slept) <= 0.5
+
+    async def up() -> bytes:
+        return b"ok"
+
+    assert await retry_until(2.0, "block 0", up, now=clock.time, sleep=clock.sleep) == b"ok"
+
+
+async def test_retry_until_bounds_a_hung_attempt() -> None:
+    async def hang() -> bytes:
+        await asyncio.sleep(60)
+        return b""
+
+    t0 = time.monotonic()
+    with pytest.raises(ReadFailed, match=r"no answer within 0\.2s"):
+        await retry_until(0.2, "block 0", hang)
+    assert time.monotonic() - t0 < 1.0
+
+
+class FakeUpstream:
+    """fetch_into over an in-memory object, counting requests."""
+
+    def __init__(self, data: bytes, fail: bool = False) -> None:
+        self.data = data
+        self.calls: list[tuple[int, int]] = []
+        self.fail = fail
+
+    async def fetch_into(self, version: str, start: int, buf: memoryview) -> int:
+        self.calls.append((start, start + len(buf)))
+        await asyncio.sleep(0)
+        if self.fail:
+            raise ReadFailed("upstream down")
+        chunk = self.data[start:start + len(buf)]
+        buf[:len(chunk)] = chunk
+        return len(chunk)
+
+
+async def test_coalescer_streams_whole_blocks_and_random_reads_exact() -> None:
+    bs = 64 * 1024
+    data = random.Random(3).randbytes(10 * bs + 123)
+    up = FakeUpstream(data)
+    c = Coalescer(up.fetch_into, bs, capacity=4 * bs, prefetch=1)
+    # Sequential 16 KiB reads: one fetch per block, not one per read.
+    for off in range(0, len(data), 16 * 1024):
+        end = min(off + 16 * 1024, len(data))
+        assert bytes(await c.read("v", len(data), off, end)) == data[off:end]
+    assert len(up.calls) <= 12 and all(s % bs == 0 for s, _ in up.calls)
+    assert c.stats.exact_fetches == 1  # only the very first read, before a stream is seen
+    # Random reads elsewhere: exactly the asked range.
+    up.calls.clear()
+    rng = random.Random(4)
+    for _ in range(50):
+        off = rng.randrange(len(data))
+        end = min(len(data), off + rng.randrange(1, 3 * bs))
+        assert bytes(await c.read("w", len(data), off, end)) == data[off:end]
+    assert len(up.calls) == 50
+    # Concurrent readers of one stream share fetches and never see each other's buffers.
+    up.calls.clear()
+    c2 = Coalescer(up.fetch_into, bs, capacity=2 * bs, prefetch=2)
+    offs = list(range(0, len(data), 8 * 1024))
+    first = await c2.read("x", len(data), 0, 600 * 1024)  # a big first read: a stream
+    assert bytes(first) == data[:600 * 1024]
+
+    async def reader(k: int) -> None:
+        for off in offs[k::4]:
+            end = min(off + 8 * 1024, len(data))
+            assert bytes(await c2.read("x", len(data), off, end)) == data[off:end]
+
+    await asyncio.gather(*(reader(k) for k in range(4)))
+    await c.close()
+    await c2.close()
+
+
+async def test_coalescer_forgets_a_failed_block() -> None:
+    bs = 64 * 1024
+    data = bytes(range(256)) * (3 * bs // 256)
+    up = FakeUpstream(data, fail=True)
+    c = Coalescer(up.fetch_into, bs)
+    with pytest.raises(ReadFailed):
+        await c.read("v", len(data), 0, bs)  # a big first read: a block fetch
+    up.fail = False
+    assert bytes(await c.read("v", len(data), 0, bs)) == data[:bs]
+    await c.close()
+
+
+def test_mountinfo_parsing() -> None:
+    info = ("36 35 98:0 /mnt1 /mnt2 rw,noatime master:1 - ext3 /dev/root rw\n"
+            "52 27 0:47 / /tmp/with\\040space rw,nosuid - fuse.spokefs spokefs ro\n"
+            "53 52 0:48 / /tmp/with\\040space rw - fuse.spokefs spokefs ro\n")
+    assert sysfs.mount_entry("/tmp/with space", info) == ("0:48", "fuse.spokefs")
+    assert sysfs.mount_entry("/mnt2", info) == ("98:0", "ext3")
+    assert sysfs.mount_entry("/elsewhere", info) is None
+
+
+# -- a real mount ------------------------------------------------------------------------------
+def _build_dataset(root: Path) -> Path:
+    ds = make_dataset(root, n_small=12, big_sizes=(9_000_000, 4 * 1024 * 1024, 21_000_000))
+    tar_path = ds / "shards" / "small.tar"
+    rng = random.Random(7)
+    with tarfile.open(tar_path, "w") as tf:
+        for i in range(5):
+            payload = rng.randbytes(1000 * (i + 1))
+            info = tarfile.TarInfo(f"sample{i}/data.bin")
+            info.size = len(payload)
+            tf.addfile(info, io.BytesIO(payload))
+    odd = ds / "dir with space" / "caf\u00e9"
+    odd.mkdir(parents=True)
+    (odd / "na\u00efve \u2713.txt").write_bytes(b"unicode names work\n")
+    (ds / "class0" / "img0000.jpg").chmod(0o600)
+    (ds / "run.sh").write_bytes(b"#!/bin/sh\necho hi\n")
+    (ds / "run.sh").chmod(0o755)
+    return ds
+
+
+@pytest.fixture(scope="module")
+def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Path, ServerProcess]]:
+    if FUSE_REASON is not None:
+        pytest.skip(f"no FUSE: {FUSE_REASON}")
+    root = tmp_path_factory.mktemp("mountstack")
+    ds = _build_dataset(root / "ds")
+    with hub(ds, root / "hubstate") as h, spoke(h.url, root / "cache", "1GiB",
+                                                "--deadline", "3s") as s:
+        yield ds, s
+
+
+@pytest.fixture(scope="module")
+def mounted(stack: tuple[Path, ServerProcess], tmp_path_factory: pytest.TempPathFactory
+            ) -> Iterator[tuple[Path, Path]]:
+    ds, s = stack
+    mp = tmp_path_factory.mktemp("mnt")
+    with MountProcess(f"{s.url}/ds", mp, "--deadline", "5s"):
+        yield ds, mp
+    assert not sysfs.is_mounted(mp), "SIGTERM left the mount behind"
+
+
+def _sha(p: Path) -> str:
+    return hashlib.sha256(p.read_bytes()).hexdigest()
+
+
+def _tree(root: Path) -> tuple[set[str], dict[str, str]]:
+    dirs, files = set(), {}
+    for dirpath, dirnames, filenames in os.walk(root):
+        rel = Path(dirpath).relative_to(root)
+        dirs.update(str(rel / d) for d in dirnames)
+        files.update({str(rel / f): _sha(Path(dirpath) / f) for f in filenames})
+    return dirs, files
+
+
+@needs_fuse
+def test_walk_and_hash_equal_the_source(mounted: tuple[Path, Path]) -> None:
+    ds, mp = mounted
+    assert _tree(mp) == _tree(ds)
+    out = subprocess.run(["find", str(mp), "-type", "f"], capture_output=True, text=True,
+                         timeout=30, check=True).stdout.splitlines()
+    assert len(out) == len(_tree(ds)[1])
+    empties = subprocess.run(["find", str(mp), "-type", "d", "-empty"], capture_output=True,
+                             text=True, timeout=30, check=True).stdout.split()
+    assert str(mp / "empty_dir") in empties
+    assert sorted(os.listdir(mp / "dir with space" / "caf\u00e9")) == ["na\u00efve \u2713.txt"]
+
+
+@needs_fuse
+def test_random_reads_equal_the_source(mounted: tuple[Path, Path]) -> None:
+    ds, mp = mounted
+    rng = random.Random(11)
+    for name in ("shards/shard-000.tar", "shards/shard-002.tar", "class1/img0001.jpg"):
+        src = (ds / name).read_bytes()
+        with open(mp / name, "rb", buffering=0) as f:
+            for _ in range(60):
+                off = rng.randrange(len(src) + 100)  # sometimes past the end: b""
+                n = rng.choice([1, 4096, 100_000, 131_072, 1 << 20])
+                f.seek(off)
+                assert f.read(n) == src[off:off + n]
+            assert os.pread(f.fileno(), 10, len(src)) == b""
+    with open(mp / "empty.txt", "rb") as f:
+        assert f.read() == b""
+
+
+@needs_fuse
+def test_tar_lists_and_extracts_a_shard(mounted: tuple[Path, Path], tmp_path: Path) -> None:
+    ds, mp = mounted
+    listing = subprocess.run(["tar", "-tf", str(mp / "shards" / "small.tar")],
+                             capture_output=True, text=True, timeout=30, check=True)
+    with tarfile.open(ds / "shards" / "small.tar") as tf:
+        assert listing.stdout.split() == tf.getnames()
+    subprocess.run(["tar", "-xf", str(mp / "shards" / "small.tar"), "-C", str(tmp_path)],
+                   timeout=30, check=True)
+    with tarfile.open(ds / "shards" / "small.tar") as tf:
+        member = tf.extractfile("sample3/data.bin")
+        assert member is not None
+        assert (tmp_path / "sample3" / "data.bin").read_bytes() == member.read()
+
+
+@needs_fuse
+def test_eight_concurrent_readers(mounted: tuple[Path, Path]) -> None:
+    ds, mp = mounted
+    names = ["shards/shard-002.tar", "shards/shard-000.tar", "shards/shard-001.tar"]
+    sources = {n: (ds / n).read_bytes() for n in names}
+    errors: list[str] = []
+
+    def reader(k: int) -> None:
+        rng = random.Random(100 + k)
+        name = names[k % len(names)]
+        src = sources[name]
+        try:
+            with open(mp / name, "rb", buffering=0) as f:
+                if k < 3:  # streaming readers
+                    pos = 0
+                    while chunk := f.read(256 * 1024):
+                        if chunk != src[pos:pos + len(chunk)]:
+                            errors.append(f"{name} differs at {pos}")
+                            return
+                        pos += len(chunk)
+                    if pos != len(src):
+                        errors.append(f"{name} short: {pos}")
+                else:  # random readers
+                    for _ in range(40):
+                        off = rng.randrange(len(src))
+                        got = os.pread(f.fileno(), 128 * 1024, off)
+                        if got != src[off:off + 128 * 1024]:
+                            errors.append(f"{name} differs at {off}")
+                            return
+        except OSError as exc:
+            errors.append(f"{name}: {exc}")
+
+    threads = [threading.Thread(target=reader, args=(k,)) for k in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert not any(t.is_alive() for t in threads)
+    assert errors == []
+
+
+@needs_fuse
+def test_mmap_read(mounted: tuple[Path, Path]) -> None:
+    ds, mp = mounted
+    src = (ds / "shards" / "shard-000.tar").read_bytes()
+    with open(mp / "shards" / "shard-000.tar", "rb") as f, \
+            mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as m:
+        assert len(m) == len(src)
+        for off in (0, 4095, 4 * 1024 * 1024 - 7, len(src) - 10):
+            assert m[off:off + 5000] == src[off:off + 5000]
+        assert hashlib.sha256(m).digest() == hashlib.sha256(src).digest()
+
+
+@needs_fuse
+def test_writes_are_erofs(mounted: tuple[Path, Path]) -> None:
+    _, mp = mounted
+    f = mp / "class0" / "img0000.jpg"
+    def opened(path: Path, mode: str) -> None:
+        with open(path, mode):
+            pass
+
+    attempts = [
+        lambda: opened(f, "r+b"),
+        lambda: opened(f, "ab"),
+        lambda: opened(mp / "new.txt", "wb"),
+        lambda: os.mkdir(mp / "newdir"),
+        lambda: os.unlink(f),
+        lambda: os.rmdir(mp / "empty_dir"),
+        lambda: os.rename(f, mp / "moved.jpg"),
+        lambda: os.chmod(f, 0o777),
+        lambda: os.truncate(f, 0),
+        lambda: os.utime(f, (0, 0)),
+        lambda: os.symlink("x", mp / "link"),
+        lambda: os.link(f, mp / "hard"),
+    ]
+    for attempt in attempts:
+        with pytest.raises(OSError) as info:
+            attempt()
+        assert info.value.errno == errno.EROFS, attempt
+    assert not os.access(f, os.W_OK)
+
+
+@needs_fuse
+def test_unknown_paths_are_enoent(mounted: tuple[Path, Path]) -> None:
+    _, mp = mounted
+    for p in (mp / "nope", mp / "class0" / "nope.jpg", mp / "empty_dir" / "x"):
+        with pytest.raises(FileNotFoundError):
+            os.stat(p)
+        with pytest.raises(FileNotFoundError):  # again: now from the cached negative entry
+            p.read_bytes()
+    with pytest.raises(NotADirectoryError):
+        os.listdir(mp / "empty.txt")
+    with pytest.raises(NotADirectoryError):
+        os.stat(mp / "empty.txt" / "x")
+
+
+@needs_fuse
+def test_stat_sizes_modes_times_and_statfs(mounted: tuple[Path, Path]) -> None:
+    ds, mp = mounted
+    total = count = 0
+    for dirpath, _, filenames in os.walk(ds):
+        for name in filenames:
+            src = Path(dirpath) / name
+            st_src, st = src.stat(), (mp / src.relative_to(ds)).stat()
+            assert stat.S_ISREG(st.st_mode)
+            assert (st.st_size, stat.S_IMODE(st.st_mode)) == (
+                st_src.st_size, stat.S_IMODE(st_src.st_mode)), name
+            assert st.st_mtime_ns == st_src.st_mtime_ns
+            total += st_src.st_size
+            count += 1
+    st = (mp / "empty_dir").stat()
+    assert stat.S_ISDIR(st.st_mode) and not st.st_mode & 0o222
+    assert (mp / "run.sh").stat().st_mode & 0o111
+    vfs = os.statvfs(mp)
+    assert vfs.f_bfree == 0 and vfs.f_files >= count
+    assert vfs.f_blocks * vfs.f_frsize >= total
+    entry = sysfs.mount_entry(mp)
+    assert entry is not None and entry[1] == "fuse.spokefs"
+    ra = sysfs.read_ahead_path(mp)
+    if os.geteuid() == 0 and ra is not None:
+        assert int(ra.read_text()) == 4096
+
+
+@needs_fuse
+def test_torch_dataloader_over_class_folders(mounted: tuple[Path, Path]) -> None:
+    torch = pytest.importorskip("torch", reason="torch is not installed")
+    from torch.utils.data import DataLoader, Dataset
+
+    ds, mp = mounted
+
+    class Folders(Dataset):
+        def __init__(self, root: Path) -> None:
+            self.classes = sorted(p.name for p in root.iterdir() if p.name.startswith("class"))
+            self.items = [(str(p), c) for c, name in enumerate(self.classes)
+                          for p in sorted((root / name).iterdir())]
+
+        def __len__(self) -> int:
+            return len(self.items)
+
+        def __getitem__(self, i: int) -> tuple[object, int]:
+            path, label = self.items[i]
+            with open(path, "rb") as f:
+                data = f.read()
+            return torch.tensor(list(hashlib.sha256(data).digest())), label
+
+    mounted_set, source_set = Folders(mp), Folders(ds)
+    loader = DataLoader(mounted_set, batch_size=4, shuffle=True, num_workers=2,
+                        generator=torch.Generator().manual_seed(0), timeout=60)
+    seen = {}
+    for digests, labels in loader:
+        for d, label in zip(digests, labels, strict=True):
+            seen[bytes(d.tolist())] = int(label)
+    expected = {bytes(source_set[i][0].tolist()): source_set[i][1]
+                for i in range(len(source_set))}
+    assert seen == expected
+
+
+@needs_fuse
+def test_spoke_down_gives_eio_within_the_deadline_then_recovers(
+        stack: tuple[Path, ServerProcess], tmp_path: Path) -> None:
+    ds, shared = stack
+    # A spoke of our own, so stopping it leaves the module's one alone.
+    hub_url = shared.args[shared.args.index("--upstream") + 1]
+    cache = tmp_path / "cache"
+    s = spoke(hub_url, cache, "1GiB").start()
+    mp = tmp_path / "mnt"
+    mp.mkdir()
+    name = "shards/shard-002.tar"
+    src = (ds / name).read_bytes()
+    try:
+        with MountProcess(f"{s.url}/ds", mp, "--deadline", "2s") as m, \
+                open(mp / name, "rb", buffering=0) as f:
+            assert os.pread(f.fileno(), 4096, 0) == src[:4096]  # mid-read...
+            s.stop()  # ...the spoke goes away
+            t0 = time.monotonic()
+            with pytest.raises(OSError) as info:
+                os.pread(f.fileno(), 65536, 16 * 1024 * 1024)
+            elapsed = time.monotonic() - t0
+            assert info.value.errno == errno.EIO
+            assert 1.5 <= elapsed < 4.0, elapsed
+            assert m.alive()
+            # The spoke comes back on the same port, with the same cache.
+            s = spoke(hub_url, cache, "1GiB", "--port", str(s.port)).start()
+            assert os.pread(f.fileno(), 65536, 16 * 1024 * 1024) == \
+                src[16 * 1024 * 1024:16 * 1024 * 1024 + 65536]
+            f.seek(4096)
+            assert f.read() == src[4096:]
+        assert any("answering EIO" in line and "unavailable for 2s" in line
+                   for line in m.output), "".join(m.output)
+    finally:
+        s.stop()
+
+
+def _cli(*args: str, timeout: float = 60) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "spokefs.cli", *args], capture_output=True,
+                          text=True, timeout=timeout)
+
+
+@needs_fuse
+def test_killed_mount_is_cleared_by_umount_and_remounts(
+        stack: tuple[Path, ServerProcess], tmp_path: Path) -> None:
+    ds, s = stack
+    mp = tmp_path / "mnt"
+    mp.mkdir()
+    m = MountProcess(f"{s.url}/ds", mp).start()
+    try:
+        assert (mp / "run.sh").read_bytes() == (ds / "run.sh").read_bytes()
+        m.kill()  # kill -9: nothing unmounts
+        with pytest.raises(OSError) as info:
+            os.listdir(mp)  # (stat may still answer from the kernel's attribute cache)
+        assert info.value.errno == errno.ENOTCONN
+        r = _cli("umount", str(mp))
+        assert r.returncode == 0, r.stderr
+        assert not sysfs.is_mounted(mp) and os.listdir(mp) == []
+        assert _cli("umount", str(mp)).returncode == 1  # nothing left to unmount
+        with MountProcess(f"{s.url}/ds", mp):
+            assert (mp / "run.sh").read_bytes() == (ds / "run.sh").read_bytes()
+    finally:
+        m.kill()
+        if sysfs.is_mounted(mp):
+            unmount(mp)
+
+
+@needs_fuse
+def test_background_mount_returns_when_ready_and_pins_the_snapshot(
+        stack: tuple[Path, ServerProcess], tmp_path: Path) -> None:
+    ds, s = stack
+    mp = tmp_path / "mnt"
+    mp.mkdir()
+    r = _cli("mount", f"{s.url}/ds", str(mp), "--log-file", str(tmp_path / "mount.log"))
+    assert r.returncode == 0, r.stderr
+    m = re.search(r"ready: ds@(\w+) at .*\(pid (\d+), log ", r.stdout)
+    assert m, r.stdout
+    snap, pid = m.group(1), int(m.group(2))
+    try:
+        # Usable the moment the command returned.
+        assert (mp / "run.sh").read_bytes() == (ds / "run.sh").read_bytes()
+        assert _cli("umount", str(mp)).returncode == 0
+        deadline = time.monotonic() + 10
+        while _alive(pid) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not _alive(pid), "the mount process did not exit after umount"
+        # An explicit snapshot id mounts the same tree; an unknown one fails clearly.
+        with MountProcess(f"{s.url}/ds@{snap}", mp) as pinned:
+            assert snap in pinned.ready_line
+        with pytest.raises(MountError, match=r"no snapshot|not found"):
+            MountProcess(f"{s.url}/ds@ffffffffffff", mp).start(timeout=30)
+        bad = _cli("mount", f"{s.url}/nosuch", str(mp), "--deadline", "2s")
+        assert bad.returncode != 0 and "nosuch" in bad.stderr
+        assert not sysfs.is_mounted(mp)
+    finally:
+        if _alive(pid):
+            os.kill(pid, signal.SIGKILL)
+        if sysfs.is_mounted(mp):
+            unmount(mp)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    # A zombie (exited, not yet reaped by its parent) counts as gone.
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().split(")")[-1].split()[0] != "Z"
+    except OSError:
+        return False
