@@ -8,6 +8,7 @@ matching SpokeError.
 from __future__ import annotations
 
 import json
+import os
 import threading
 import time
 from typing import Any
@@ -18,16 +19,19 @@ from spokefs.errors import UpstreamUnavailable, from_status
 from spokefs.manifest import Manifest
 from spokefs.retry import backoff_delays
 
-_pools: dict[str, urllib3.PoolManager] = {}
+_pools: dict[tuple[int, str], urllib3.PoolManager] = {}
 _pools_lock = threading.Lock()
 
 
 def _pool(base: str) -> urllib3.PoolManager:
+    # Keyed by process: a DataLoader worker forked from a process that had connections open
+    # must not share their sockets with its parent.
+    key = (os.getpid(), base)
     with _pools_lock:
-        pm = _pools.get(base)
+        pm = _pools.get(key)
         if pm is None:
-            pm = _pools[base] = urllib3.PoolManager(num_pools=4, maxsize=32, block=False,
-                                                    retries=False)
+            pm = _pools[key] = urllib3.PoolManager(num_pools=4, maxsize=32, block=False,
+                                                   retries=False)
         return pm
 
 
