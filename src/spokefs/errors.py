@@ -15,6 +15,8 @@ Lower-level errors (aiohttp, urllib3, OSError) are mapped to these at the bounda
 
 from __future__ import annotations
 
+import argparse
+
 
 class SpokeError(Exception):
     """Base class of every error spokefs raises on purpose."""
@@ -67,7 +69,8 @@ class IntegrityError(SpokeError):
     code = "integrity"
 
 
-class ConfigError(SpokeError):
+class ConfigError(SpokeError, argparse.ArgumentTypeError):
+    # An ArgumentTypeError too: argparse reports a bad option value with this message.
     status = 400
     code = "config"
 
