@@ -55,6 +55,7 @@ class OrderCursor:
         self.pos = 0  # low watermark
         self.frontier = -1  # farthest position read
         self.issued = 0  # positions below this were pinned (and queued when not resident)
+        self.dropped = 0  # positions compacted away: absolute position = dropped + index
         self.alive = True
 
     def __len__(self) -> int:
@@ -147,6 +148,11 @@ class OrderCursor:
         c = self.consumed
         return [p for p in range(self.pos, min(self.issued, len(c))) if not c[p]]
 
+    def was_read(self, absolute: int) -> bool:
+        """Whether the position ``absolute`` (counted from the first announcement) was read."""
+        p = absolute - self.dropped
+        return p < 0 or (p < len(self.consumed) and bool(self.consumed[p]))
+
     def compact(self) -> int:
         """Drop the read prefix once it is most of the arrays; returns how many went."""
         drop = self.pos
@@ -160,4 +166,5 @@ class OrderCursor:
         self.pos -= drop
         self.frontier -= drop
         self.issued = max(0, self.issued - drop)
+        self.dropped += drop
         return drop

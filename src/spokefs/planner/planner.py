@@ -144,7 +144,9 @@ class Planner:
         self._manifests: dict[str, Manifest] = {}
         self._inflight: dict[BlockKey, _Inflight] = {}
         self._prefetch_bytes = 0
-        self._queue: list[tuple[int, int, BlockKey, int, str, Any]] = []
+        # (priority, seq, key, size, reason, owner, tag): owner.alive False, or an order's
+        # position (tag) already read, makes an entry stale.
+        self._queue: list[tuple[int, int, BlockKey, int, str, Any, int]] = []
         self._seq = 0
         self._orders: dict[_JobKey, OrderCursor] = {}
         self._order_pins: dict[BlockKey, int] = {}  # key -> pin count from orders
@@ -298,12 +300,14 @@ class Planner:
             self.stats["late_prefetch"] += 1
 
     # -- the in-flight budget ---------------------------------------------------------------
-    def _want(self, key: BlockKey, size: int, priority: int, reason: str, owner: Any) -> None:
+    def _want(
+        self, key: BlockKey, size: int, priority: int, reason: str, owner: Any, tag: int = -1
+    ) -> None:
         """Queue a prefetch (readahead or order); the pump sends it when the budget allows."""
         if size <= 0 or key in self._resident or key in self._inflight:
             return
         self._seq += 1
-        heapq.heappush(self._queue, (priority, self._seq, key, size, reason, owner))
+        heapq.heappush(self._queue, (priority, self._seq, key, size, reason, owner, tag))
 
     def _budget_ok(self, size: int) -> bool:
         return self._prefetch_bytes == 0 or self._prefetch_bytes + size <= self.max_inflight_bytes
@@ -319,8 +323,13 @@ class Planner:
     def _pump(self, out: list[Action]) -> None:
         queue = self._queue
         while queue:
-            prio, _, key, size, reason, owner = queue[0]
-            if not getattr(owner, "alive", True) or key in self._resident or key in self._inflight:
+            prio, _, key, size, reason, owner, tag = queue[0]
+            if (
+                not owner.alive
+                or key in self._resident
+                or key in self._inflight
+                or (tag >= 0 and owner.was_read(tag))  # the reader got there first
+            ):
                 heapq.heappop(queue)
                 continue
             if not self._budget_ok(size):
@@ -430,7 +439,7 @@ class Planner:
             self._pinned_bytes += size
             self._order_pinned_bytes += size
             out.append(Pin(key))
-            self._want(key, size, 1 + p - cur.pos, "order", cur)
+            self._want(key, size, 1 + p - cur.pos, "order", cur, cur.dropped + p)
         cur.issued = max(cur.issued, end)
 
     def _unpin_order(self, key: BlockKey, size: int, out: list[Action]) -> None:

@@ -310,6 +310,10 @@ class _Future:
         self.consumed = bytearray()
         self.cur: dict[BlockKey, int] = {}  # each key's oldest unconsumed occurrence
         self.last: dict[BlockKey, int] = {}  # each key's last occurrence
+        # Keys read for the last time in the announced order: training reads them again next
+        # epoch, so their next use is guessed one period (the last epoch's length) later.
+        self.dead: dict[BlockKey, int] = {}
+        self.period = 0
         self.recent: OrderedDict[BlockKey, int] = OrderedDict()  # key -> position just read
         self.pos = 0  # every occurrence before this one has been read
         self.max_read = -1
@@ -321,6 +325,8 @@ class _Future:
         base = len(self.order)
         self.order.extend(order)
         n = len(self.order) - base
+        self.period = n
+        dead = self.dead
         self.next.extend([_NEVER] * n)
         self.consumed.extend(bytes(n))
         cur, last, nxt = self.cur, self.last, self.next
@@ -331,7 +337,19 @@ class _Future:
                 nxt[prev] = j
             if key not in cur:
                 cur[key] = j
+                dead.pop(key, None)
             last[key] = j
+
+    def next_at(self, key: BlockKey) -> int | None:
+        """Position of the key's next use: announced, or guessed for a read key."""
+        i = self.cur.get(key)
+        if i is not None:
+            return i
+        i = self.dead.get(key)
+        if i is not None and i < self.pos:  # the guess passed without the key coming back
+            del self.dead[key]
+            return None
+        return i
 
     def consume(self, i: int) -> BlockKey:
         key = self.order[i]
@@ -342,6 +360,7 @@ class _Future:
             del self.cur[key]
             if self.last.get(key) == i:
                 del self.last[key]
+            self.dead[key] = i + max(self.period, 1)
         else:
             self.cur[key] = nxt
         self.recent[key] = i
@@ -390,6 +409,7 @@ class _Future:
         self.next = [n - drop if n != _NEVER else n for n in self.next[drop:]]
         self.cur = {key: i - drop for key, i in self.cur.items()}
         self.last = {key: i - drop for key, i in self.last.items()}
+        self.dead = {key: i - drop for key, i in self.dead.items() if i >= drop}
         self.recent = OrderedDict((key, i - drop) for key, i in self.recent.items())
         self.pos -= drop
         self.max_read -= drop
@@ -402,8 +422,12 @@ class BeladyPolicy(_PinnedBase):
     ``set_future(order, stream)`` / ``extend_future(order, stream)`` give the block keys in
     the order a reader will read them (the planner derives it from an announced sample
     order); ``stream`` names the reader (one per job), so several jobs can share a cache.
-    Blocks no future reads again go first, least recently used first; with no future at all
-    the policy is plain LRU. ``set_future([], stream)`` forgets a stream.
+    Blocks no future reads go first, least recently used first; with no future at all the
+    policy is plain LRU. A block a stream read for the last time in its announced order is
+    expected again one epoch (the length of the last announcement) after that read, since
+    training reads its dataset epoch after epoch: so a cyclic scan keeps the blocks the next
+    epoch starts with even before that epoch is announced. ``set_future([], stream)`` forgets
+    a stream.
 
     Each stream's position follows its reads: ``access(key)`` consumes the key's next
     occurrence when it lies less than ``window`` positions past the farthest one read, so
@@ -464,7 +488,7 @@ class BeladyPolicy(_PinnedBase):
         """When ``key`` is read next, on the clock of positions consumed (``_NEVER``: not)."""
         best = _NEVER
         for f in self._futures.values():
-            i = f.cur.get(key)
+            i = f.next_at(key)
             if i is not None:
                 elapsed = self._ticks - f.started
                 rate = elapsed / f.read if f.read else 1.0
