@@ -203,6 +203,10 @@ def _build_dataset(root: Path) -> Path:
     (ds / "class0" / "img0000.jpg").chmod(0o600)
     (ds / "run.sh").write_bytes(b"#!/bin/sh\necho hi\n")
     (ds / "run.sh").chmod(0o755)
+    many = ds / "many"  # more entries than one readdir reply holds
+    many.mkdir()
+    for i in range(600):
+        (many / f"f{i:04d}").write_bytes(b"%d" % i)
     return ds
 
 
@@ -500,8 +504,15 @@ def test_killed_mount_is_cleared_by_umount_and_remounts(
         assert r.returncode == 0, r.stderr
         assert not sysfs.is_mounted(mp) and os.listdir(mp) == []
         assert _cli("umount", str(mp)).returncode == 1  # nothing left to unmount
-        with MountProcess(f"{s.url}/ds", mp):
+        with MountProcess(f"{s.url}/ds", mp) as again:
             assert (mp / "run.sh").read_bytes() == (ds / "run.sh").read_bytes()
+            again.kill()
+        # Mounting over a dead mount clears it without an explicit umount.
+        with MountProcess(f"{s.url}/ds", mp) as third:
+            assert sorted(os.listdir(mp)) == sorted(os.listdir(ds))
+            third.proc.send_signal(signal.SIGINT)  # Ctrl-C unmounts too
+            assert third.proc.wait(15) == 0
+        assert not sysfs.is_mounted(mp)
     finally:
         m.kill()
         if sysfs.is_mounted(mp):
@@ -552,3 +563,22 @@ def _alive(pid: int) -> bool:
         return Path(f"/proc/{pid}/stat").read_text().split(")")[-1].split()[0] != "Z"
     except OSError:
         return False
+
+
+@needs_fuse
+def test_embedded_cache_reads_a_hub_directly(stack: tuple[Path, ServerProcess],
+                                             tmp_path: Path) -> None:
+    ds, s = stack
+    hub_url = s.args[s.args.index("--upstream") + 1]
+    mp, cache = tmp_path / "mnt", tmp_path / "cache"
+    mp.mkdir()
+    with MountProcess(f"{hub_url}/ds", mp, "--cache-dir", str(cache), "--cache-size", "256MiB",
+                      "--deadline", "5s"):
+        for name in ("shards/shard-000.tar", "class2/img0002.jpg", "many/f0599"):
+            assert (mp / name).read_bytes() == (ds / name).read_bytes()
+        src = (ds / "shards" / "shard-002.tar").read_bytes()
+        with open(mp / "shards" / "shard-002.tar", "rb", buffering=0) as f:
+            for off in (0, 5_000_000, len(src) - 100):
+                assert os.pread(f.fileno(), 200_000, off) == src[off:off + 200_000]
+    blocks = [p for p in (cache / "blocks").rglob("*") if p.is_file()]
+    assert blocks, "the embedded cache kept nothing"

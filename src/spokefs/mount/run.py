@@ -135,6 +135,15 @@ async def _serve_fuse(opts: MountOptions, mountpoint: Path, ops: SnapshotFS,
                 log.info("signal received: unmounting %s", mountpoint)
                 pyfuse3.terminate()
 
+        def on_error(loop: asyncio.AbstractEventLoop, context: dict[str, object]) -> None:
+            # pyfuse3's asyncio shim may set_result on a future that terminate() already
+            # failed; after terminate that is noise, not an error.
+            if stopping and isinstance(context.get("exception"), asyncio.InvalidStateError):
+                return
+            loop.default_exception_handler(context)
+
+        loop.set_exception_handler(on_error)
+
         for sig in (signal.SIGINT, signal.SIGTERM):
             loop.add_signal_handler(sig, stop)
         main = asyncio.ensure_future(pyfuse3.main(min_tasks=1, max_tasks=MAX_TASKS))
