@@ -7,7 +7,7 @@ from spokefs.manifest import Manifest
 
 def _manifest(n: int) -> Manifest:
     paths = sorted(f"d{i % 100:02d}/f{i:07d}.jpg" for i in range(n))
-    dirs = [""] + sorted({p.split("/")[0] for p in paths})
+    dirs = ["", *sorted({p.split("/")[0] for p in paths})]
     return Manifest("ds", "snap", 0.0, 4 << 20, paths, [100] * n, [0o644] * n, [1] * n,
                     ["ab" * 16] * n, dirs)
 

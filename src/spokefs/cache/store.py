@@ -345,6 +345,12 @@ class BlockStore:
         with self._lock:
             self.db.execute("INSERT OR REPLACE INTO kv VALUES (?,?)", (key, value))
 
+    @property
+    def lock(self) -> threading.Lock:
+        """Held while changing the policy from outside the store (the policy is not
+        thread-safe and the store's worker threads use it)."""
+        return self._lock
+
     def kv_items(self, prefix: str) -> list[tuple[str, str]]:
         with self._lock:
             rows = self.db.execute("SELECT key, value FROM kv WHERE key >= ? AND key < ?",

@@ -127,7 +127,8 @@ class PrefetchDriver:
             elif isinstance(a, pl.SetFuture):
                 fn = getattr(policy, "extend_future" if a.append else "set_future", None)
                 if fn is not None:
-                    fn(a.keys)
+                    with self.backend.store.lock:
+                        fn(a.keys, a.stream)  # one stream per job: jobs don't overwrite
             elif isinstance(a, pl.WorkingSetLearned):
                 self.backend.store.kv_set(f"{_WS_PREFIX}{a.dataset}:{a.job}",
                                           json.dumps(a.working_set.to_json()))
