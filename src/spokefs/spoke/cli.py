@@ -27,7 +27,9 @@ def register(sub: argparse._SubParsersAction) -> None:
                        help="hard bound on cached bytes, e.g. 200GiB")
     serve.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
     serve.add_argument("--port", type=int, default=8471, help="port (default 8471; 0 = any)")
-    serve.add_argument("--policy", default="lru", help="eviction policy (default lru)")
+    serve.add_argument("--policy", default="belady",
+                       help="eviction policy: belady (evicts the block needed farthest ahead "
+                       "in announced orders; LRU without them; the default), lru, s3fifo")
     serve.add_argument("--deadline", type=parse_duration, default=30.0,
                        help="fail an uncached read after the upstream has been unreachable "
                        "this long (default 30s)")

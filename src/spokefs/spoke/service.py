@@ -16,6 +16,7 @@ even while the upstream is down.
 from __future__ import annotations
 
 import asyncio
+import inspect
 import json
 import logging
 import time
@@ -32,7 +33,7 @@ from spokefs.errors import IntegrityError, NotFound, UpstreamUnavailable
 from spokefs.integrity import DEFAULT_BLOCK_SIZE, block_count, block_digest, blocks_in_range
 from spokefs.manifest import Manifest
 from spokefs.planner import Planner
-from spokefs.policy import BlockKey, make_policy
+from spokefs.policy import POLICIES, BlockKey, EvictionPolicy, make_policy
 from spokefs.retry import backoff_delays
 from spokefs.spoke.limiter import PriorityLimiter, Ticket
 from spokefs.spoke.metrics import SpokeMetrics
@@ -51,7 +52,7 @@ class SpokeConfig:
     upstream: str
     cache_dir: Path
     cache_size: int
-    policy: str = "lru"
+    policy: str = "belady"         # announced futures when given, LRU otherwise
     deadline: float = 30.0          # give up on an uncached read after this long
     max_inflight: int = 64          # upstream requests in flight (fill a long link)
     fsync: bool = True
@@ -69,7 +70,7 @@ class SpokeBackend:
         self.registry = CollectorRegistry()
         self.metrics = SpokeMetrics(self.registry)
         self.store = BlockStore(config.cache_dir, config.cache_size,
-                                make_policy(config.policy), fsync=config.fsync)
+                                _policy(config.policy, config.cache_size), fsync=config.fsync)
         self.upstream = UpstreamClient(config.upstream, max_connections=config.max_inflight)
         self.limiter = PriorityLimiter(config.max_inflight)
         self._inflight: dict[BlockKey, asyncio.Future[Block]] = {}
@@ -434,3 +435,9 @@ class SpokeBackend:
             "prefetch": self.prefetch.stats() if self.prefetch is not None else None,
         }
 
+
+
+def _policy(name: str, capacity: int) -> EvictionPolicy:
+    cls = POLICIES.get(name)
+    wants_capacity = cls is not None and "capacity" in inspect.signature(cls).parameters
+    return make_policy(name, **({"capacity": capacity} if wants_capacity else {}))
