@@ -177,6 +177,68 @@ async def test_coalescer_forgets_a_failed_block() -> None:
     await c.close()
 
 
+async def test_range_client_reads_into_buffers_and_maps_errors() -> None:
+    from aiohttp import web
+
+    from spokefs.errors import NotFound, RangeNotSatisfiable
+    from spokefs.mount.http import RangeClient
+
+    blob = random.Random(5).randbytes(300_000)
+
+    async def obj(request: web.Request) -> web.StreamResponse:
+        name = request.match_info["name"]
+        if name == "missing":
+            return web.json_response({"error": {"code": "not_found", "message": "no such"}},
+                                     status=404)
+        if name == "busy":
+            return web.json_response({"error": {"code": "upstream_unavailable",
+                                                "message": "later"}}, status=503)
+        if name == "cut":  # promises more than it sends, then hangs up
+            resp = web.StreamResponse(status=206, headers={"Content-Length": "1000"})
+            await resp.prepare(request)
+            await resp.write(b"x" * 10)
+            request.transport.close()  # type: ignore[union-attr]
+            return resp
+        lo, hi = (int(x) for x in request.headers["Range"][6:].split("-"))
+        if lo >= len(blob):
+            return web.json_response({"error": {"code": "range_not_satisfiable",
+                                                "message": "past the end",
+                                                "size": len(blob)}}, status=416)
+        body = blob[lo:hi + 1]
+        return web.Response(status=206, body=body, headers={
+            "Content-Range": f"bytes {lo}-{lo + len(body) - 1}/{len(blob)}"})
+
+    app = web.Application()
+    app.router.add_get("/o/{name}", obj)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+    client = RangeClient(f"http://127.0.0.1:{port}")
+    try:
+        buf = bytearray(70_000)
+        for off in (0, 1, 123_456, 250_000):  # kept-alive connection reused throughout
+            n = await client.read_into("/o/x", off, memoryview(buf))
+            assert bytes(buf[:n]) == blob[off:off + 70_000]
+        assert len(client._all) == 1
+        with pytest.raises(RangeNotSatisfiable):
+            await client.read_into("/o/x", 400_000, memoryview(buf))
+        with pytest.raises(NotFound, match="no such"):
+            await client.read_into("/o/missing", 0, memoryview(buf))
+        with pytest.raises(Transient, match="503"):
+            await client.read_into("/o/busy", 0, memoryview(buf))
+        with pytest.raises(Transient, match="closed"):
+            await client.read_into("/o/cut", 0, memoryview(buf))
+        n = await client.read_into("/o/x", 5, memoryview(buf))  # still works afterwards
+        assert bytes(buf[:n]) == blob[5:70_005]
+    finally:
+        await client.close()
+        await runner.cleanup()
+    with pytest.raises(Transient, match="cannot connect"):
+        await client.read_into("/o/x", 0, memoryview(buf))
+
+
 def test_mountinfo_parsing() -> None:
     info = ("36 35 98:0 /mnt1 /mnt2 rw,noatime master:1 - ext3 /dev/root rw\n"
             "52 27 0:47 / /tmp/with\\040space rw,nosuid - fuse.spokefs spokefs ro\n"

@@ -34,6 +34,7 @@ log = logging.getLogger(__name__)
 
 DEFAULT_READ_AHEAD_KB = 4096  # measured best on loopback (docs/mount.md); 128 is the default
 MAX_TASKS = 128               # FUSE requests served at once (kernel readahead sends several)
+FETCH_UNIT = 4 * 1024 * 1024  # largest fetch of a streaming read
 
 
 @dataclass
@@ -71,7 +72,11 @@ def clear_stale(mountpoint: Path) -> None:
                 raise ConfigError(f"cannot use mountpoint {mountpoint}: {exc.strerror}") from exc
             log.warning("%s is a dead mount (transport endpoint not connected); unmounting it",
                         mountpoint)
-            lazy_unmount(mountpoint)
+            try:
+                lazy_unmount(mountpoint)
+            except OSError as err:
+                raise ConfigError(f"cannot clear the dead mount at {mountpoint}: "
+                                  f"{err.strerror}") from err
         else:
             raise ConfigError(f"{mountpoint} is already mounted; run `spokefs umount "
                               f"{mountpoint}` first")
@@ -112,7 +117,9 @@ async def serve(opts: MountOptions, on_ready: Callable[[str], None]) -> None:
         log.info("snapshot %s@%s: %d files, %s, loaded in %.2fs", table.dataset,
                  table.snapshot, table.file_count, format_size(table.total_bytes),
                  time.monotonic() - t0)
-        reader = Coalescer(source.read_into, table.block_size)
+        # Fetch in blocks of the dataset, but no more than 4 MiB at a time (a dataset with
+        # huge blocks would otherwise hold few of them per stream).
+        reader = Coalescer(source.read_into, min(table.block_size, FETCH_UNIT))
         try:
             await _serve_fuse(opts, mountpoint, SnapshotFS(table, reader), on_ready)
         finally:
@@ -124,7 +131,11 @@ async def serve(opts: MountOptions, on_ready: Callable[[str], None]) -> None:
 async def _serve_fuse(opts: MountOptions, mountpoint: Path, ops: SnapshotFS,
                       on_ready: Callable[[str], None]) -> None:
     loop = asyncio.get_running_loop()
-    pyfuse3.init(ops, str(mountpoint), fuse_options(opts))
+    try:
+        pyfuse3.init(ops, str(mountpoint), fuse_options(opts))
+    except RuntimeError as exc:  # libfuse printed the reason on stderr
+        raise ConfigError(f"cannot mount at {mountpoint}: {exc} (see the fuse message above; "
+                          "is /dev/fuse usable and fusermount3 installed?)") from exc
     try:
         stopping = False
 

@@ -102,7 +102,9 @@ class UpstreamSource:
         # The per-request timeout is the deadline too: a hung upstream cannot outlast it.
         self.client = UpstreamClient(target.base, max_connections=4,
                                      request_timeout=max(deadline, 1.0))
-        self.ranges = RangeClient(target.base, max_connections=max_connections)
+        # The lean reader speaks plain http only; https goes through aiohttp (one copy more).
+        self.ranges = (RangeClient(target.base, max_connections=max_connections)
+                       if target.base.startswith("http://") else None)
 
     async def open(self) -> Manifest:
         t = self.target
@@ -121,15 +123,24 @@ class UpstreamSource:
         path = f"/v1/datasets/{self.target.dataset}/objects/{version}"
         what = f"{self.target.dataset} {version} [{start},{start + len(buf)})"
         try:
-            return await retry_until(self.deadline, what,
-                                     lambda: self.ranges.read_into(path, start, buf))
+            return await retry_until(self.deadline, what, lambda: self._read_into(
+                path, version, start, buf))
         except RangeNotSatisfiable:
             return 0
         except SpokeError as exc:  # the upstream's final answer: 404, 410, 400
             raise ReadFailed(f"{what}: {exc}") from exc
 
+    async def _read_into(self, path: str, version: str, start: int, buf: memoryview) -> int:
+        if self.ranges is not None:
+            return await self.ranges.read_into(path, start, buf)
+        block = await self.client.read_range(self.target.dataset, version, start,
+                                             start + len(buf))
+        buf[:len(block.data)] = block.data
+        return len(block.data)
+
     async def close(self) -> None:
-        await self.ranges.close()
+        if self.ranges is not None:
+            await self.ranges.close()
         await self.client.close()
 
 
