@@ -71,7 +71,10 @@ class SpokeBackend:
         self.metrics = SpokeMetrics(self.registry)
         self.store = BlockStore(config.cache_dir, config.cache_size,
                                 _policy(config.policy, config.cache_size), fsync=config.fsync)
-        self.upstream = UpstreamClient(config.upstream, max_connections=config.max_inflight)
+        # A connection silent for the deadline is dead (a stalled link would otherwise hold
+        # an upstream slot for the client's 60 s read timeout).
+        self.upstream = UpstreamClient(config.upstream, max_connections=config.max_inflight,
+                                       request_timeout=config.deadline)
         self.limiter = PriorityLimiter(config.max_inflight)
         self._inflight: dict[BlockKey, asyncio.Future[Block]] = {}
         self._tickets: dict[BlockKey, Ticket] = {}
@@ -294,11 +297,33 @@ class SpokeBackend:
                 fut = self._start_fetch(name, version, i, DEMAND)  # evicted or corrupt
             self.metrics.misses.inc()
             self._just_fetched.discard((version, i))
-            block = await asyncio.shield(fut)
+            block = await self._wait_fetch(fut, f"block {i} of {version} ({name})")
             yield memoryview(block.data)[lo:hi]
 
     async def _block(self, name: str, version: str, index: int, priority: int) -> Block:
-        return await asyncio.shield(self._start_fetch(name, version, index, priority))
+        return await self._wait_fetch(self._start_fetch(name, version, index, priority),
+                                      f"block {index} of {version} ({name})")
+
+    async def _wait_fetch(self, fut: asyncio.Future[Block], what: str) -> Block:
+        """Wait for a fetch, but not past the deadline of upstream silence: a reader queued
+        behind fetches that stalled (all slots taken, nothing failing yet) still gets its 503
+        once the upstream has sent no byte for ``deadline`` seconds while it waited. A slow
+        link keeps sending, so it only makes readers slower."""
+        began = time.monotonic()
+        while True:
+            silent_since = max(began, self.upstream.last_received)
+            left = silent_since + self.config.deadline - time.monotonic()
+            if left <= 0:
+                cause = self._last_upstream_error or "no answer (connections stalled)"
+                raise UpstreamUnavailable(
+                    f"upstream {self.config.upstream} sent nothing for "
+                    f"{self.config.deadline:g}s while waiting for {what}: {cause}",
+                    self.config.upstream, cause)
+            try:
+                return await asyncio.wait_for(asyncio.shield(fut), left)
+            except TimeoutError:
+                if fut.done():
+                    raise  # the fetch's own error, not our wait
 
     def _start_fetch(self, name: str, version: str, index: int,
                      priority: int) -> asyncio.Future[Block]:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import gzip
 import json
+import time
 from dataclasses import dataclass
 
 import aiohttp
@@ -38,6 +39,9 @@ class UpstreamClient:
         self.max_connections = max_connections
         self.request_timeout = request_timeout
         self._session: aiohttp.ClientSession | None = None
+        # time.monotonic() of the last bytes from the upstream: tells a slow link (bytes keep
+        # coming) from a dead one (nothing for the deadline).
+        self.last_received = time.monotonic()
 
     @property
     def session(self) -> aiohttp.ClientSession:
@@ -61,8 +65,12 @@ class UpstreamClient:
         url = f"{self.base_url}{path}"
         try:
             async with self.session.request(method, url, headers=headers) as resp:
-                body = await resp.read()
-                return resp.status, dict(resp.headers), body
+                self.last_received = time.monotonic()
+                chunks = []
+                async for chunk in resp.content.iter_any():
+                    self.last_received = time.monotonic()  # the upstream is alive, if slow
+                    chunks.append(chunk)
+                return resp.status, dict(resp.headers), b"".join(chunks)
         except (TimeoutError, aiohttp.ClientError, OSError) as exc:
             raise Transient(f"{type(exc).__name__}: {exc}" if str(exc) else
                             type(exc).__name__) from exc
