@@ -89,6 +89,8 @@ class _Connection(asyncio.BufferedProtocol):
         rest = self._head[end + 4:]
         self._head = bytearray()
         assert self._body is not None
+        if len(rest) > self._want:  # more than the body: the stream is out of step
+            self.keep_alive = False
         n = min(len(rest), self._want)
         self._body[:n] = rest[:n]
         self._got = n
