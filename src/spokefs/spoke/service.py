@@ -19,6 +19,8 @@ import asyncio
 import inspect
 import json
 import logging
+import os
+import threading
 import time
 from collections import OrderedDict
 from collections.abc import AsyncIterator, Coroutine
@@ -218,7 +220,8 @@ class SpokeBackend:
 
         def persist() -> None:
             path.parent.mkdir(parents=True, exist_ok=True)
-            tmp = path.with_suffix(".tmp")
+            # A name of its own: two readers may fetch the same manifest at once.
+            tmp = path.with_suffix(f".{os.getpid()}.{threading.get_ident()}.tmp")
             tmp.write_bytes(blob)
             tmp.replace(path)
 
