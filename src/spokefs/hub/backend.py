@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import os
-from collections import OrderedDict
 from collections.abc import AsyncIterator
 from pathlib import Path
 
@@ -14,7 +13,7 @@ from spokefs.errors import BadRequest, NotFound, VersionGone
 from spokefs.hub.snapshot import HubState
 from spokefs.integrity import DIGEST_SIZE
 from spokefs.manifest import Manifest
-from spokefs.wire.backend import DatasetInfo, FileSegment, ReadContext, Segment
+from spokefs.wire.backend import DatasetInfo, FileSegment, ManifestMemo, ReadContext, Segment
 
 RESERVED_NAMES = {"v1", "metrics"}
 
@@ -28,7 +27,7 @@ class HubBackend:
             if name in RESERVED_NAMES:
                 raise BadRequest(f"dataset name {name!r} is reserved; pick another with --name")
         self.registry = CollectorRegistry()
-        self._manifests: OrderedDict[tuple[str, str], Manifest] = OrderedDict()
+        self._manifests = ManifestMemo()
         self._scan_lock = asyncio.Lock()
         self.gone = Counter("spokefs_hub_versions_gone", "Reads of versions no longer on disk",
                             registry=self.registry)
@@ -58,14 +57,7 @@ class HubBackend:
         return await asyncio.to_thread(st.manifest_path(snap_id).read_bytes)
 
     async def manifest(self, name: str, snap_id: str) -> Manifest:
-        key = (name, snap_id)
-        m = self._manifests.get(key)
-        if m is None:
-            m = await asyncio.to_thread(Manifest.decode, await self.manifest_blob(name, snap_id))
-            self._manifests[key] = m
-            while len(self._manifests) > 4:  # a few recent snapshots; they can be large
-                self._manifests.popitem(last=False)
-        return m
+        return (await self._manifests.get(name, snap_id, self.manifest_blob))[0]
 
     def _stored(self, name: str, version: str):
         stored = self._state(name).stored(version)

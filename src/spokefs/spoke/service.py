@@ -40,7 +40,7 @@ from spokefs.retry import backoff_delays
 from spokefs.spoke.limiter import PriorityLimiter, Ticket
 from spokefs.spoke.metrics import SpokeMetrics
 from spokefs.spoke.prefetch import PrefetchDriver
-from spokefs.wire.backend import DatasetInfo, FileSegment, ReadContext, Segment
+from spokefs.wire.backend import DatasetInfo, FileSegment, ManifestMemo, ReadContext, Segment
 from spokefs.wire.client import Block, Transient, UpstreamClient
 
 log = logging.getLogger(__name__)
@@ -83,7 +83,7 @@ class SpokeBackend:
         self.prefetch: PrefetchDriver | None = None  # set by start() unless disabled
         self._digests: OrderedDict[BlockKey, bytes] = OrderedDict()  # of passed-through blocks
         self._datasets: dict[str, tuple[float, DatasetInfo]] = {}
-        self._manifests: OrderedDict[tuple[str, str], Manifest] = OrderedDict()
+        self._manifests = ManifestMemo()
         self._tasks: set[asyncio.Task[Any]] = set()
         self._sizes: dict[str, int] = {}  # version -> size, in front of the index
         self._just_fetched: set[BlockKey] = set()  # fetched by object_size for a waiting read
@@ -232,15 +232,9 @@ class SpokeBackend:
         return blob
 
     async def manifest(self, name: str, snap_id: str) -> Manifest:
-        key = (name, snap_id)
-        m = self._manifests.get(key)
-        if m is None:
-            m = await asyncio.to_thread(Manifest.decode, await self.manifest_blob(name, snap_id))
-            self._manifests[key] = m
-            while len(self._manifests) > 4:
-                self._manifests.popitem(last=False)
-            if self.prefetch is not None:
-                self.prefetch.use_manifest(m)
+        m, new = await self._manifests.get(name, snap_id, self.manifest_blob)
+        if new and self.prefetch is not None:
+            self.prefetch.use_manifest(m)
         return m
 
     async def create_snapshot(self, name: str) -> dict[str, object]:

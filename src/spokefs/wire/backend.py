@@ -7,7 +7,9 @@ That is why a spoke is a valid upstream for a mount, another spoke, rclone or cu
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+import asyncio
+from collections import OrderedDict
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import BinaryIO, Protocol
 
@@ -68,3 +70,28 @@ class Backend(Protocol):
              ctx: ReadContext | None = None) -> AsyncIterator[Segment]: ...
     async def create_snapshot(self, name: str) -> dict[str, object]: ...
     async def status(self) -> dict[str, object]: ...
+
+
+class ManifestMemo:
+    """The few most recently used decoded manifests (a million-file one is ~100 MB)."""
+
+    def __init__(self, keep: int = 4) -> None:
+        self.keep = keep
+        self._m: OrderedDict[tuple[str, str], Manifest] = OrderedDict()
+
+    def __contains__(self, key: object) -> bool:
+        return key in self._m
+
+    async def get(self, name: str, snap_id: str,
+                  blob: Callable[[str, str], Awaitable[bytes]]) -> tuple[Manifest, bool]:
+        """(manifest, whether it was decoded now), decoding ``blob(name, snap_id)`` once."""
+        key = (name, snap_id)
+        m = self._m.get(key)
+        if m is not None:
+            self._m.move_to_end(key)
+            return m, False
+        m = await asyncio.to_thread(Manifest.decode, await blob(name, snap_id))
+        self._m[key] = m
+        while len(self._m) > self.keep:
+            self._m.popitem(last=False)
+        return m, True
