@@ -126,7 +126,7 @@ class BlockStore:
             self.policy.insert(key, size)
             self.used += size
         if missing:
-            self.db.executemany("DELETE FROM blocks WHERE version=? AND idx=?", missing)
+            self._index_write("DELETE FROM blocks WHERE version=? AND idx=?", missing)
         for name in present:  # written but never indexed: a crash between rename and index
             self.path_for(tuple(name.rsplit("-", 1))).unlink(missing_ok=True)  # type: ignore[arg-type]
         if rows or present:
@@ -209,8 +209,8 @@ class BlockStore:
             self._last_flush = now
         if touched:
             with self._lock:
-                self.db.executemany("UPDATE blocks SET last_access=? WHERE version=? AND idx=?",
-                                    [(t, k[0], k[1]) for k, t in touched.items()])
+                self._index_write("UPDATE blocks SET last_access=? WHERE version=? AND idx=?",
+                                  [(t, k[0], k[1]) for k, t in touched.items()])
 
     # -- writes ------------------------------------------------------------------------------
     def put(self, key: BlockKey, data: bytes, digest: bytes, dataset: str) -> bool:
@@ -255,6 +255,18 @@ class BlockStore:
             self.policy.insert(key, size)
         return True
 
+    def _index_write(self, sql: str, rows: list[tuple[object, ...]]) -> bool:
+        """An index write that may fail without failing the caller: on a full volume SQLite
+        cannot even delete (its WAL grows first). A dropped deletion leaves a row without a
+        file, which a read treats as missing and the next open drops; a dropped access time
+        or kv fact only costs a hint."""
+        try:
+            self.db.executemany(sql, rows)
+            return True
+        except sqlite3.Error as exc:
+            self._write_failed(OSError(errno.ENOSPC, f"index: {exc}"))
+            return False
+
     def _write_failed(self, exc: OSError) -> None:
         reason = errno.errorcode.get(exc.errno or 0, str(exc))
         if exc.errno in (errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EACCES, errno.EPERM):
@@ -291,7 +303,7 @@ class BlockStore:
         if victims:
             # Index first, files second: a crash between leaves orphan files, never rows
             # without bytes.
-            self.db.executemany("DELETE FROM blocks WHERE version=? AND idx=?", victims)
+            self._index_write("DELETE FROM blocks WHERE version=? AND idx=?", victims)
             for key in victims:
                 self.path_for(key).unlink(missing_ok=True)
                 self._touched.pop(key, None)
@@ -308,7 +320,7 @@ class BlockStore:
             self.used -= rec.size
             self._touched.pop(key, None)
             self._verified.pop(key, None)
-            self.db.execute("DELETE FROM blocks WHERE version=? AND idx=?", key)
+            self._index_write("DELETE FROM blocks WHERE version=? AND idx=?", [key])
         self.path_for(key).unlink(missing_ok=True)
         log.debug("cache: dropped %s-%d (%s)", key[0], key[1], reason)
 
@@ -334,7 +346,7 @@ class BlockStore:
 
     def set_object_size(self, version: str, size: int) -> None:
         with self._lock:
-            self.db.execute("INSERT OR REPLACE INTO objects VALUES (?,?)", (version, size))
+            self._index_write("INSERT OR REPLACE INTO objects VALUES (?,?)", [(version, size)])
 
     def kv_get(self, key: str) -> str | None:
         with self._lock:
@@ -343,7 +355,7 @@ class BlockStore:
 
     def kv_set(self, key: str, value: str) -> None:
         with self._lock:
-            self.db.execute("INSERT OR REPLACE INTO kv VALUES (?,?)", (key, value))
+            self._index_write("INSERT OR REPLACE INTO kv VALUES (?,?)", [(key, value)])
 
     @property
     def lock(self) -> threading.Lock:
