@@ -11,7 +11,9 @@ Crash safety, in this order: write to tmp/, fsync (``fsync=True``), rename into 
 index. Eviction deletes the index row first, then the file. So a ``kill -9`` anywhere leaves
 only (a) temp files, removed at open, and (b) block files with no index row, also removed at
 open. A block is served only when its index row exists and its bytes match the digest in that
-row. The digest (xxh3, memory speed) is checked on the first read of a block in this process,
+row. An index that cannot be opened at all (corrupt, or on a volume too full for SQLite's WAL
+files) is replaced by an empty one and the block files go with it: the spoke starts empty
+rather than not at all. The digest (xxh3, memory speed) is checked on the first read of a block in this process,
 again whenever the block file's identity (inode, size, mtime, ctime) changed, and at least every
 ``reverify_after`` seconds while it is read; so bit rot, a torn write or a stray write is caught
 and the block refetched, without hashing 4 MiB for every 128 KiB read.
@@ -31,6 +33,7 @@ import errno
 import logging
 import mmap
 import os
+import shutil
 import sqlite3
 import threading
 import time
@@ -98,18 +101,41 @@ class BlockStore:
             (self.root / sub).mkdir(parents=True, exist_ok=True)
         for leftover in (self.root / "tmp").iterdir():  # writes a crash interrupted
             leftover.unlink(missing_ok=True)
-        db = sqlite3.connect(self.root / "index.sqlite", check_same_thread=False,
-                             isolation_level=None, timeout=30)
-        db.execute("PRAGMA journal_mode=WAL")
-        db.execute("PRAGMA synchronous=NORMAL")
-        db.executescript(_SCHEMA)
-        self._db = db
-        self._recover()
+        try:
+            self._db = self._connect()
+            rows = self.db.execute("SELECT version, idx, size, digest, dataset FROM blocks "
+                                   "ORDER BY last_access").fetchall()
+        except sqlite3.DatabaseError as exc:
+            # A corrupt index, or a volume too full for SQLite's WAL files: without the index
+            # no block can be trusted, so start empty rather than fail to start (a crash
+            # loop needs an operator). Removing the blocks also frees the space.
+            log.error("cache: index %s is unusable (%s); starting with an empty cache",
+                      self.root / "index.sqlite", exc)
+            if self._db is not None:
+                self._db.close()
+                self._db = None
+            for name in ("index.sqlite", "index.sqlite-wal", "index.sqlite-shm"):
+                (self.root / name).unlink(missing_ok=True)
+            shutil.rmtree(self.root / "blocks", ignore_errors=True)
+            (self.root / "blocks").mkdir()
+            self._db = self._connect()
+            rows = []
+        self._recover(rows)
         return self
 
-    def _recover(self) -> None:
-        rows = self.db.execute("SELECT version, idx, size, digest, dataset FROM blocks "
-                               "ORDER BY last_access").fetchall()
+    def _connect(self) -> sqlite3.Connection:
+        db = sqlite3.connect(self.root / "index.sqlite", check_same_thread=False,
+                             isolation_level=None, timeout=30)
+        try:
+            db.execute("PRAGMA journal_mode=WAL")
+            db.execute("PRAGMA synchronous=NORMAL")
+            db.executescript(_SCHEMA)
+        except sqlite3.Error:
+            db.close()
+            raise
+        return db
+
+    def _recover(self, rows: list[tuple[str, int, int, bytes, str]]) -> None:
         present = set()
         for sub in (self.root / "blocks").iterdir():
             for f in sub.iterdir():
