@@ -47,7 +47,7 @@ def plot_timelines(path: Path, timelines: dict[str, list[Batch]],
         w = r.get("warmup_batches", 0)
         if r.get("warmed_up") and w:
             ax_au.axvline(w, color=c, ls=":", lw=1.2)
-            ax_au.annotate(f"{name}: {w}", (w, 0.02 + 0.05 * (k % 8)), color=c, fontsize=7,
+            ax_au.annotate(f"{name}: {w}", (w, 0.02 + 0.045 * (k % 13)), color=c, fontsize=7,
                            xytext=(3, 0), textcoords="offset points")
         elif not r.get("warmed_up"):
             ax_au.annotate(f"{name}: never steady", (len(tl) - 1, util[-1]), color=c,
