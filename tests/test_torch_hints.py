@@ -44,6 +44,7 @@ def test_announced_order_is_fetched_ahead(spoke_server, dataset: Path) -> None:
     paths = sorted(p.relative_to(dataset).as_posix() for p in dataset.rglob("*.jpg"))
     sampler = AnnouncingSampler(RandomSampler(range(len(paths))), paths, base, job="t1")
     order = list(iter(sampler))  # draws and announces epoch 0
+    sampler.wait_announced(10)
     ctl = SpokeControl(base)
     # Nothing has been read, yet the announced files become resident.
     assert wait_for(lambda: ctl.residency(paths=[paths[i] for i in order[:8]])["fraction"]

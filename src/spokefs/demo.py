@@ -133,10 +133,13 @@ def run(args: argparse.Namespace) -> int:
     if args.skip_train:
         return 0
     try:
-        from spokefs.bench.train import run_seed
-    except ImportError:
-        print("\n(training benchmark not available in this build)")
+        from spokefs.bench.training import run_seed
+    except ImportError as exc:  # torch is an optional extra
+        print(f"\n(the training benchmark needs the torch extra: {exc})")
         return 0
     print("\nthe reference experiment, short version (training loop, every scenario):")
-    run_seed(out / "seed", quick=True)
-    return 0
+    doc = run_seed(out / "seed", quick=True)
+    wrong = sum(int(r.get("bytes_wrong", 0) or 0) for r in doc["results"].values())
+    figures = doc["params"].get("figures", {})
+    print(f"\nplots: {', '.join(str(f) for f in figures.values()) or out / 'seed'}")
+    return 0 if wrong == 0 else 1

@@ -17,6 +17,7 @@ A spoke that cannot be reached only costs the hint: training goes on, with a war
 from __future__ import annotations
 
 import logging
+import threading
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
@@ -45,6 +46,7 @@ class AnnouncingSampler(Sampler[int]):
         self.control = SpokeControl(url, job=job if rank is None else f"{job}.rank{rank}",
                                     deadline=deadline)
         self.epoch = 0
+        self._posting: threading.Thread | None = None
 
     def _path(self, i: int) -> str:
         p = self.paths(i) if callable(self.paths) else self.paths[i]
@@ -63,14 +65,25 @@ class AnnouncingSampler(Sampler[int]):
 
     def __iter__(self) -> Iterator[int]:
         order = list(iter(self.sampler))
-        self.announce(order)
+        # Post in the background: the first batches must not wait for the hint's round trip
+        # (the spoke fetches demand misses anyway, and the order catches up a moment later).
+        if self._posting is not None:
+            self._posting.join()
+        self._posting = threading.Thread(target=self.announce, args=(order, self.epoch),
+                                         name="spokefs-announce", daemon=True)
+        self._posting.start()
         self.epoch += 1
         return iter(order)
 
-    def announce(self, order: Sequence[int]) -> dict[str, Any] | None:
+    def wait_announced(self, timeout: float | None = None) -> None:
+        """Block until the last order was posted (tests; a readiness check)."""
+        if self._posting is not None:
+            self._posting.join(timeout)
+
+    def announce(self, order: Sequence[int], epoch: int | None = None) -> dict[str, Any] | None:
         try:
             return self.control.announce(
-                self.epoch, paths=[self._path(i) for i in order],
+                self.epoch if epoch is None else epoch, paths=[self._path(i) for i in order],
                 ranges=[self.ranges(i) for i in order] if self.ranges else None)
         except (SpokeError, OSError) as exc:
             log.warning("could not announce epoch %d's order to the spoke (%s); "
