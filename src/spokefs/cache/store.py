@@ -13,10 +13,11 @@ only (a) temp files, removed at open, and (b) block files with no index row, als
 open. A block is served only when its index row exists and its bytes match the digest in that
 row. An index that cannot be opened at all (corrupt, or on a volume too full for SQLite's WAL
 files) is replaced by an empty one and the block files go with it: the spoke starts empty
-rather than not at all. The digest (xxh3, memory speed) is checked on the first read of a block in this process,
-again whenever the block file's identity (inode, size, mtime, ctime) changed, and at least every
-``reverify_after`` seconds while it is read; so bit rot, a torn write or a stray write is caught
-and the block refetched, without hashing 4 MiB for every 128 KiB read.
+rather than not at all. The digest (xxh3, memory speed) is checked on the first read of a
+block in this process, again whenever the block file's identity (inode, size, mtime, ctime)
+changed, and at least every ``reverify_after`` seconds while it is read; so bit rot, a torn
+write or a stray write is caught and the block refetched, without hashing 4 MiB for every
+128 KiB read.
 
 ``capacity`` is a hard bound on the bytes of resident plus reserved blocks; the eviction policy
 (spokefs.policy) chooses victims. When nothing can be evicted (all pinned) or the disk refuses
@@ -37,7 +38,7 @@ import shutil
 import sqlite3
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Container
 from dataclasses import dataclass
 from pathlib import Path
 from typing import BinaryIO
@@ -350,9 +351,12 @@ class BlockStore:
         self.path_for(key).unlink(missing_ok=True)
         log.debug("cache: dropped %s-%d (%s)", key[0], key[1], reason)
 
-    def purge(self, dataset: str | None = None) -> int:
-        """Drop every block (of ``dataset``); returns bytes freed."""
-        keys = [k for k, r in self._records.items() if dataset is None or r.dataset == dataset]
+    def purge(self, dataset: str | None = None, keep: Container[str] = ()) -> int:
+        """Drop every block (of ``dataset``) but those of the versions in ``keep``; returns
+        bytes freed."""
+        with self._lock:  # puts in worker threads add records meanwhile
+            keys = [k for k, r in self._records.items()
+                    if (dataset is None or r.dataset == dataset) and k[0] not in keep]
         freed = 0
         for k in keys:
             freed += self._records[k].size if k in self._records else 0

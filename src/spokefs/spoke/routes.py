@@ -137,9 +137,16 @@ class SpokeRoutes:
                                   **self.backend.residency(m, files)})
 
     async def purge(self, request: web.Request) -> web.Response:
+        """``{}``: every block; ``{"dataset": ds}``: the dataset's; ``{"dataset": ds, "keep":
+        ["latest", SNAPSHOT...]}``: the dataset's blocks of versions in none of those
+        snapshots (stale after a source change)."""
         doc = await _body(request)
         ds = doc.get("dataset")
         if ds is not None:
             check_dataset_name(ds)
-        freed = await self.backend.purge(ds)
+        keep = doc.get("keep")
+        if keep is not None and (not isinstance(keep, list) or not keep
+                                 or not all(isinstance(k, str) for k in keep)):
+            raise BadRequest('"keep" must be a non-empty list of snapshot ids or "latest"')
+        freed = await self.backend.purge(ds, keep)
         return web.json_response({"dataset": ds, "freed_bytes": freed})

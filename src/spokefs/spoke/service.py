@@ -31,7 +31,7 @@ from typing import Any
 from prometheus_client import CollectorRegistry
 
 from spokefs.cache.store import BlockStore
-from spokefs.errors import IntegrityError, NotFound, UpstreamUnavailable
+from spokefs.errors import BadRequest, IntegrityError, NotFound, UpstreamUnavailable
 from spokefs.integrity import DEFAULT_BLOCK_SIZE, block_count, block_digest, blocks_in_range
 from spokefs.manifest import Manifest
 from spokefs.planner import Planner
@@ -460,8 +460,18 @@ class SpokeBackend:
         return {"files": len(files), "bytes": total, "resident_bytes": resident,
                 "resident_files": full, "fraction": resident / total if total else 1.0}
 
-    async def purge(self, name: str | None) -> int:
-        return await asyncio.to_thread(self.store.purge, name)
+    async def purge(self, name: str | None, keep: list[str] | None = None) -> int:
+        """Drop cached blocks: all, a dataset's, or (``keep``: snapshot ids or "latest") a
+        dataset's blocks of file versions in none of those snapshots -- what a source change
+        left behind (rewritten or deleted files), without touching the current ones."""
+        if keep is None:
+            return await asyncio.to_thread(self.store.purge, name)
+        if name is None:
+            raise BadRequest("purging by kept snapshots needs a dataset")
+        versions: set[str] = set()
+        for snap in keep:
+            versions.update((await self.manifest(name, await self.resolve(name, snap))).versions)
+        return await asyncio.to_thread(self.store.purge, name, versions)
 
     # -- operator view -----------------------------------------------------------------------
     async def status(self) -> dict[str, object]:
