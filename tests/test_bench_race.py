@@ -1,0 +1,112 @@
+"""``spokefs bench race`` on tiny datasets over a short link: it runs every case it is asked
+for, writes results.json in the documented shape, a table and a chart, and the link counters
+say what a cache should do (a cold epoch moves the dataset once, a warm one moves nothing)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+from pathlib import Path
+
+import pytest
+
+from spokefs.bench import race
+
+
+def _fuse_unusable() -> str | None:
+    try:
+        os.close(os.open("/dev/fuse", os.O_RDWR))
+    except OSError as exc:
+        return f"cannot open /dev/fuse: {exc.strerror}"
+    if shutil.which("fusermount3") is None:
+        return "fusermount3 is not installed"
+    try:
+        import pyfuse3  # noqa: F401
+    except ImportError as exc:
+        return f"pyfuse3 is not importable: {exc}"
+    return None
+
+
+def run(out: Path, *extra: str) -> dict:
+    parser = argparse.ArgumentParser()
+    race.register(parser.add_subparsers())
+    args = parser.parse_args(["race", "--out", str(out), *extra])
+    assert args.func(args) == 0
+    return json.loads((out / "results.json").read_text())
+
+
+TINY = ("--rtt", "10ms", "--bandwidth", "100MB/s", "--shards", "2", "--shard-size", "5MiB",
+        "--small-files", "24", "--small-size", "16KiB", "--small-dirs", "3",
+        "--readers", "1,2", "--timeout", "60s", "--verify")
+
+
+@pytest.mark.skipif(_fuse_unusable() is not None, reason=f"no FUSE: {_fuse_unusable()}")
+def test_race_tiny(tmp_path: Path) -> None:
+    doc = run(tmp_path / "out", "--work-dir", str(tmp_path / "work"),
+              "--tools", "local,spokefs,spokefs_hints,http_direct", *TINY)
+    params, results, floors = doc["params"], doc["results"], doc["floors"]
+    assert params["rtt_s"] == pytest.approx(0.010)
+    assert params["bandwidth_Bps"] == pytest.approx(100e6)
+    sizes = params["dataset_bytes"]
+    assert sizes == {"shards": 2 * 5 * 2**20, "small": 24 * 16 * 2**10}
+    assert set(floors) == {"shards", "small"}
+    assert floors["small"] == pytest.approx(sizes["small"] / 100e6 + 0.010, abs=1e-3)
+
+    keys = {"tool", "dataset", "readers", "epoch", "seconds", "link_bytes",
+            "link_connections"}
+    for r in results:
+        assert keys <= set(r), r
+        assert r["error"] is None and not r["timed_out"], r
+        assert r["seconds"] > 0
+    epochs = {(r["tool"], r["dataset"], r["readers"], r["epoch"]) for r in results}
+    for tool in ("local", "spokefs", "spokefs_hints", "http_direct"):
+        for ds in ("shards", "small"):
+            for readers in (1, 2):
+                assert {(tool, ds, readers, "cold"), (tool, ds, readers, "warm")} <= epochs
+    walks = {r["tool"] for r in results if r["epoch"] == "walk"}
+    assert walks == {"local", "spokefs", "http_direct"}  # hints do not change a listing
+
+    by = {(r["tool"], r["dataset"], r["readers"], r["epoch"]): r for r in results}
+    for ds in ("shards", "small"):
+        for readers in (1, 2):
+            assert by[("local", ds, readers, "cold")]["link_bytes"] == 0
+            for tool in ("spokefs", "spokefs_hints"):
+                cold = by[(tool, ds, readers, "cold")]
+                warm = by[(tool, ds, readers, "warm")]
+                assert cold["files_done"] == params["dataset_files"][ds]
+                # the dataset crosses the link once (plus headers), then never again
+                assert sizes[ds] <= cold["link_bytes"] <= 1.2 * sizes[ds] + 200_000
+                assert warm["link_bytes"] < 0.01 * sizes[ds]
+            # no cache: the warm epoch moves the dataset again
+            assert by[("http_direct", ds, readers, "warm")]["link_bytes"] >= sizes[ds]
+    assert by[("spokefs", "small", 1, "walk")]["link_bytes"] == 0  # metadata is local
+
+    out = tmp_path / "out"
+    assert (out / "race.png").stat().st_size > 1000
+    table = (out / "table.md").read_text()
+    assert "spokefs_hints" in table and "x floor" in table
+    assert any(g["goal"].startswith("spokefs small 1r cold") for g in doc["goals"])
+    diag = [d for d in doc["diagnostics"] if d["tool"] == "spokefs"]
+    assert diag and "fetch_mean_s" in diag[0]
+
+
+def test_missing_tool_is_skipped_with_a_note(tmp_path: Path) -> None:
+    env_path = os.environ["PATH"]
+    os.environ["PATH"] = str(tmp_path)  # no rclone on this PATH
+    try:
+        doc = run(tmp_path / "out", "--work-dir", str(tmp_path / "work"),
+                  "--tools", "local,rclone", "--datasets", "small", "--readers", "1",
+                  "--no-walk", *TINY[:-5])
+    finally:
+        os.environ["PATH"] = env_path
+    assert {r["tool"] for r in doc["results"]} == {"local"}
+    assert any(n.startswith("rclone skipped: rclone is not installed") for n in doc["notes"])
+
+
+def test_epoch_order_is_shared_and_fresh() -> None:
+    ds = race.Dataset("small", Path("/nonexistent"), [f"f{i}" for i in range(50)], [1] * 50)
+    a0, a1 = race.epoch_order(ds, 1, 0, 1), race.epoch_order(ds, 1, 1, 1)
+    assert sorted(a0) == list(range(50)) and a0 != a1          # every file, a fresh order
+    assert race.epoch_order(ds, 1, 0, 1) == a0                  # the same for every tool
