@@ -31,7 +31,13 @@ from typing import Any
 from prometheus_client import CollectorRegistry
 
 from spokefs.cache.store import BlockStore
-from spokefs.errors import BadRequest, IntegrityError, NotFound, UpstreamUnavailable
+from spokefs.errors import (
+    BadRequest,
+    IntegrityError,
+    NotFound,
+    SpokeError,
+    UpstreamUnavailable,
+)
 from spokefs.integrity import DEFAULT_BLOCK_SIZE, block_count, block_digest, blocks_in_range
 from spokefs.manifest import Manifest
 from spokefs.planner import Planner
@@ -316,7 +322,15 @@ class SpokeBackend:
                 fut = self._start_fetch(name, version, i, DEMAND)  # evicted or corrupt
             self.metrics.misses.inc()
             self._just_fetched.discard((version, i))
-            block = await self._wait_fetch(fut, f"block {i} of {version} ({name})")
+            try:
+                block = await self._wait_fetch(fut, f"block {i} of {version} ({name})")
+            except SpokeError as exc:
+                if i == indexes[0]:
+                    raise  # nothing sent yet: the reader gets the error's own status
+                # Status and bytes are already out: only a cut connection tells the reader,
+                # never an error response written into the body as if it were data.
+                raise ConnectionAbortedError(f"{name} {version} failed mid-response at block "
+                                             f"{i}: {exc}") from exc
             yield memoryview(block.data)[lo:hi]
 
     async def _block(self, name: str, version: str, index: int, priority: int) -> Block:
