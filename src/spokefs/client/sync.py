@@ -42,13 +42,17 @@ class Client:
         self.timeout = urllib3.Timeout(connect=10, read=timeout)
 
     def request(self, method: str, path: str, headers: dict[str, str] | None = None,
-                body: bytes | None = None, decode: bool = True) -> urllib3.BaseHTTPResponse:
+                body: bytes | None = None, decode: bool = True, stream: bool = False
+                ) -> urllib3.BaseHTTPResponse:
+        """One request, retried on connection failures until the deadline; an error status
+        raises its SpokeError. ``stream``: the body is left to read (then release_conn())."""
         end = time.monotonic() + self.deadline
         for delay in backoff_delays():
             try:
                 resp = _pool(self.base).request(method, f"{self.base}{path}", headers=headers,
                                                 body=body, timeout=self.timeout,
-                                                decode_content=decode, preload_content=True)
+                                                decode_content=decode,
+                                                preload_content=not stream)
             except urllib3.exceptions.HTTPError as exc:
                 cause = str(exc.__cause__ or exc)
                 remaining = end - time.monotonic()
@@ -86,7 +90,33 @@ class Client:
         return dict(self.get_json(f"/v1/datasets/{dataset}/snapshots/{snap}/entries/{path}"))
 
     def read(self, dataset: str, version: str, start: int, end: int) -> bytes:
-        """Bytes [start, end) of a file version (end may pass EOF; the answer is clamped)."""
-        resp = self.request("GET", f"/v1/datasets/{dataset}/objects/{version}",
-                            {"Range": f"bytes={start}-{end - 1}"})
-        return bytes(resp.data)
+        """Bytes [start, end) of a file version (end may pass EOF; the answer is clamped).
+
+        A body cut short (the connection broke, or the server failed after it had begun to
+        answer, e.g. a later block's version is gone) is resumed from where it broke, so the
+        caller gets the rest or the server's own error for that part (VersionGone,
+        UpstreamUnavailable), not a retry of the whole range until the deadline."""
+        path = f"/v1/datasets/{dataset}/objects/{version}"
+        out = bytearray()
+        give_up = time.monotonic() + self.deadline
+        for delay in backoff_delays():
+            had = len(out)
+            resp = self.request("GET", path, {"Range": f"bytes={start + had}-{end - 1}"},
+                                stream=True)
+            try:
+                for chunk in resp.stream(1 << 20):
+                    out += chunk
+                return bytes(out)
+            except urllib3.exceptions.HTTPError as exc:
+                cause = str(exc.__cause__ or exc)
+            finally:
+                resp.release_conn()
+            if start + len(out) >= end:
+                return bytes(out)
+            if len(out) == had:  # no progress: back off, and not past the deadline
+                remaining = give_up - time.monotonic()
+                if remaining <= 0:
+                    raise UpstreamUnavailable(f"{self.base} cut every answer short for "
+                                              f"{self.deadline:g}s: {cause}", self.base, cause)
+                time.sleep(min(delay, remaining))
+        raise AssertionError("unreachable")
