@@ -957,6 +957,25 @@ def plot(doc: dict[str, Any], path: Path) -> None:
     plt.close(fig)
 
 
+def code_version() -> dict[str, Any]:
+    """Which spokefs the services ran (they import the same one as this process)."""
+    import spokefs
+
+    where = Path(spokefs.__file__).parent
+    out: dict[str, Any] = {"path": str(where)}
+    try:
+        head = subprocess.run(["git", "-C", str(where), "rev-parse", "HEAD"],
+                              capture_output=True, text=True, timeout=10)
+        dirty = subprocess.run(["git", "-C", str(where), "status", "--porcelain", "--", "."],
+                               capture_output=True, text=True, timeout=10)
+        if head.returncode == 0:
+            out["commit"] = head.stdout.strip()
+            out["uncommitted"] = [line[3:] for line in dirty.stdout.splitlines()]
+    except (OSError, subprocess.SubprocessError):
+        pass
+    return out
+
+
 def run(args: argparse.Namespace) -> int:
     from spokefs.bench.common import machine, table, write_json
 
@@ -990,6 +1009,7 @@ def run(args: argparse.Namespace) -> int:
         "diagnostics": race.diagnostics,
         "notes": race.notes,
         "machine": machine(),
+        "code": code_version(),
         "load_avg": [round(x, 2) for x in os.getloadavg()],
         "load_avg_start": [round(x, 2) for x in load0],
         "wall_s": round(time.time() - t0, 1),
