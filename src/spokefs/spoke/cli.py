@@ -43,8 +43,12 @@ def register(sub: argparse._SubParsersAction) -> None:
     serve.add_argument("--no-prefetch", action="store_true",
                        help="only fetch what readers ask for (no readahead, no learning)")
     serve.add_argument("--prefetch-inflight", type=parse_size, default=256 << 20,
-                       help="prefetch bytes in flight; about twice bandwidth x round trip "
-                       "(default 256MiB)")
+                       help="most prefetch bytes in flight (default 256MiB); within it the "
+                       "spoke keeps about twice the link's measured bandwidth x round trip")
+    serve.add_argument("--no-pacing", action="store_true",
+                       help="let prefetch use all of --prefetch-inflight and --max-inflight "
+                       "instead of what the link measurably needs (readers then wait behind "
+                       "prefetch on a narrow link)")
     serve.set_defaults(func=_serve)
 
 
@@ -56,6 +60,7 @@ def _serve(args: argparse.Namespace) -> int:
                          cache_size=args.cache_size, policy=args.policy, deadline=args.deadline,
                          max_inflight=args.max_inflight, fsync=not args.no_fsync,
                          latest_ttl=args.latest_ttl, prefetch=not args.no_prefetch,
-                         prefetch_inflight=args.prefetch_inflight)
+                         prefetch_inflight=args.prefetch_inflight,
+                         pacing=not args.no_pacing)
     asyncio.run(run_spoke(config, args.host, args.port))
     return 0

@@ -33,3 +33,6 @@ class SpokeMetrics:
                                     "writes, 0 while it passes data through", registry=r)
         self.inflight = Gauge("spokefs_upstream_inflight", "Upstream requests in flight",
                               registry=r)
+        self.prefetch_window = Gauge("spokefs_prefetch_window_bytes", "Prefetch bytes let out "
+                                     "at once: about twice the link's measured bandwidth x "
+                                     "round trip", registry=r)

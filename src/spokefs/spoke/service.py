@@ -39,11 +39,12 @@ from spokefs.errors import (
     UpstreamUnavailable,
 )
 from spokefs.integrity import DEFAULT_BLOCK_SIZE, block_count, block_digest, blocks_in_range
+from spokefs.linkmodel import LinkModel
 from spokefs.manifest import Manifest
 from spokefs.planner import Planner
 from spokefs.policy import POLICIES, BlockKey, EvictionPolicy, make_policy
 from spokefs.retry import backoff_delays
-from spokefs.spoke.limiter import PriorityLimiter, Ticket
+from spokefs.spoke.limiter import Grant, PriorityLimiter, Ticket
 from spokefs.spoke.metrics import SpokeMetrics
 from spokefs.spoke.prefetch import PrefetchDriver
 from spokefs.wire.backend import DatasetInfo, FileSegment, ManifestMemo, ReadContext, Segment
@@ -66,7 +67,8 @@ class SpokeConfig:
     fsync: bool = True
     latest_ttl: float = 10.0        # how long "latest" is trusted before asking upstream
     prefetch: bool = True           # run the planner (readahead, learned working sets, orders)
-    prefetch_inflight: int = 256 << 20   # prefetch bytes outstanding (~2x bandwidth x RTT)
+    prefetch_inflight: int = 256 << 20   # most prefetch bytes outstanding
+    pacing: bool = True             # measure the link; keep ~2x bandwidth x RTT of prefetch out
     readahead_max: int = 64 << 20   # largest sequential readahead window per stream
 
 
@@ -83,7 +85,10 @@ class SpokeBackend:
         # an upstream slot for the client's 60 s read timeout).
         self.upstream = UpstreamClient(config.upstream, max_connections=config.max_inflight,
                                        request_timeout=config.deadline)
-        self.limiter = PriorityLimiter(config.max_inflight)
+        # What the link needs in flight, measured; prefetch beyond it would only slow readers.
+        self.link = LinkModel(max_window=config.prefetch_inflight) if config.pacing else None
+        self.limiter = PriorityLimiter(config.max_inflight, prefetch_window=(
+            self.link.window() if self.link is not None else None))
         self._inflight: dict[BlockKey, asyncio.Future[Block]] = {}
         self._tickets: dict[BlockKey, Ticket] = {}
         self.prefetch: PrefetchDriver | None = None  # set by start() unless disabled
@@ -111,6 +116,8 @@ class SpokeBackend:
         self.metrics.cache_bytes.set_function(lambda: self.store.used)
         self.metrics.cache_writable.set_function(lambda: 1 if self.store.writable else 0)
         self.metrics.inflight.set_function(lambda: self.limiter.active)
+        self.metrics.prefetch_window.set_function(
+            lambda: self.limiter.prefetch_window or self.config.prefetch_inflight)
         self.spawn(self._housekeeping())
         if self.config.prefetch:
             planner = Planner(capacity=self.store.capacity,
@@ -399,11 +406,12 @@ class SpokeBackend:
         key = (version, index)
         what = f"block {index} of {version} ({name})"
         for attempt in range(3):
-            async with self.limiter.slot(priority, ticket):
+            async with self.limiter.slot(priority, ticket, self._expected_size(
+                    name, version, index, bs)) as grant:
                 priority = ticket.priority
                 t0 = time.monotonic()
-                block = await self._retrying(what, self.upstream.read_range, name, version,
-                                             index * bs, (index + 1) * bs)
+                block = await self._retrying(what, self._read_range, name, version,
+                                             index * bs, (index + 1) * bs, grant)
                 self.metrics.fetch_seconds.observe(time.monotonic() - t0)
             self.metrics.upstream_bytes.labels("demand" if ticket.priority == DEMAND else
                                                "prefetch").inc(len(block.data))
@@ -426,6 +434,32 @@ class SpokeBackend:
             while len(self._digests) > 4096:
                 self._digests.popitem(last=False)
         return block
+
+    async def _read_range(self, name: str, version: str, start: int, end: int,
+                          grant: Grant) -> Block:
+        """One upstream request, timed for the link model, which sets the prefetch window;
+        its bytes leave the window as they arrive."""
+        link, limiter = self.link, self.limiter
+        if link is None:
+            return await self.upstream.read_range(name, version, start, end)
+
+        def arrived(nbytes: int) -> None:
+            link.received(nbytes)
+            limiter.received(grant, nbytes)
+
+        sent = link.sent(time.monotonic(), app_limited=not limiter.held_back)
+        block = await self.upstream.read_range(name, version, start, end, arrived)
+        link.delivered(sent, 0, time.monotonic(), block.first_byte)
+        limiter.set_prefetch_window(link.window())
+        return block
+
+    def _expected_size(self, name: str, version: str, index: int, bs: int) -> int:
+        """Bytes a fetch of this block will bring (the block size when the file is unknown)."""
+        size = self._sizes.get(version) or self.store.object_size(version)
+        if size is None and self.prefetch is not None:
+            known = self.prefetch.path_of(name, version)
+            size = known[1] if known is not None else None
+        return bs if size is None else max(0, min(bs, size - index * bs))
 
     # -- warm-up, residency, purge -----------------------------------------------------------
     def warm(self, m: Manifest, files: list[int], pin: bool = False) -> dict[str, int]:
@@ -499,6 +533,8 @@ class SpokeBackend:
             "hits": hits, "misses": misses,
             "hit_ratio": hits / (hits + misses) if hits + misses else None,
             "inflight": self.limiter.active, "queued": self.limiter.queued,
+            "inflight_bytes": self.limiter.inflight_bytes,
+            "link": self.link.stats() if self.link is not None else None,
             "deadline_s": self.config.deadline,
             "prefetch": self.prefetch.stats() if self.prefetch is not None else None,
         }

@@ -12,6 +12,7 @@ import asyncio
 import gzip
 import json
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import aiohttp
@@ -30,6 +31,7 @@ class Block:
     data: bytes
     digest: bytes | None   # the upstream's digest of this block (single-block reads)
     size: int              # the whole object's size, from Content-Range
+    first_byte: float | None = None  # time.monotonic() when the response's headers arrived
 
 
 class UpstreamClient:
@@ -62,15 +64,25 @@ class UpstreamClient:
 
     async def _get(self, path: str, headers: dict[str, str] | None = None,
                    method: str = "GET") -> tuple[int, dict[str, str], bytes]:
+        status, headers, body, _ = await self._get_timed(path, headers, method)
+        return status, headers, body
+
+    async def _get_timed(self, path: str, headers: dict[str, str] | None = None,
+                         method: str = "GET", on_bytes: Callable[[int], None] | None = None
+                         ) -> tuple[int, dict[str, str], bytes, float]:
+        """_get, and the time.monotonic() at which the response's headers arrived;
+        ``on_bytes`` hears the size of each piece of the body as it arrives."""
         url = f"{self.base_url}{path}"
         try:
             async with self.session.request(method, url, headers=headers) as resp:
-                self.last_received = time.monotonic()
+                first_byte = self.last_received = time.monotonic()
                 chunks = []
                 async for chunk in resp.content.iter_any():
                     self.last_received = time.monotonic()  # the upstream is alive, if slow
                     chunks.append(chunk)
-                return resp.status, dict(resp.headers), b"".join(chunks)
+                    if on_bytes is not None:
+                        on_bytes(len(chunk))
+                return resp.status, dict(resp.headers), b"".join(chunks), first_byte
         except (TimeoutError, aiohttp.ClientError, OSError) as exc:
             raise Transient(f"{type(exc).__name__}: {exc}" if str(exc) else
                             type(exc).__name__) from exc
@@ -113,17 +125,20 @@ class UpstreamClient:
         blob = await self.manifest_blob(dataset, snap)
         return await asyncio.to_thread(Manifest.decode, blob)
 
-    async def read_range(self, dataset: str, version: str, start: int, end: int) -> Block:
-        """Bytes [start, end) of a version; ``end`` may pass the object's end (clamped)."""
+    async def read_range(self, dataset: str, version: str, start: int, end: int,
+                         on_bytes: Callable[[int], None] | None = None) -> Block:
+        """Bytes [start, end) of a version; ``end`` may pass the object's end (clamped).
+        ``on_bytes`` hears the size of each piece of the body as it arrives."""
         path = f"/v1/datasets/{dataset}/objects/{version}"
-        status, headers, body = await self._get(path, {"Range": f"bytes={start}-{end - 1}"})
+        status, headers, body, first_byte = await self._get_timed(
+            path, {"Range": f"bytes={start}-{end - 1}"}, on_bytes=on_bytes)
         self._check(status, body, f"{path} [{start},{end})")
         size = _total_size(headers, len(body))
         want = min(end, size) - start
         if len(body) != want:
             raise Transient(f"short read from upstream: {len(body)} of {want} bytes")
         digest = headers.get(H_DIGEST)
-        return Block(body, bytes.fromhex(digest) if digest else None, size)
+        return Block(body, bytes.fromhex(digest) if digest else None, size, first_byte)
 
     async def block_size(self, dataset: str) -> int:
         return int((await self.get_json(f"/v1/datasets/{dataset}"))["block_size"])

@@ -1,0 +1,289 @@
+"""Prefetch pacing: the link model on simulated links (no sockets, no clock), the limiter's
+prefetch window, and a real narrow link where a reader must not wait behind a fill."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import sys
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pytest
+import urllib3
+
+from spokefs.linkmodel import LinkModel, Sent
+from spokefs.spoke.limiter import PriorityLimiter, Ticket
+
+MB = 1_000_000
+
+
+# -- a simulated link -------------------------------------------------------------------------
+@dataclass
+class _Req:
+    size: int
+    sent: Sent
+    at_link: float               # when the request reaches the bottleneck (rtt/2 after send)
+    demand: bool
+    served: float = 0.0          # bytes sent by the far end
+    unreceived: float = 0.0      # bytes not yet at the client
+    first_byte: float | None = None
+    done: float | None = None    # when the last byte reaches the client
+
+
+@dataclass
+class SimLink:
+    """Responses share ``bw`` equally while they are on the wire (as ``spokefs wan`` shares
+    its cap among connections); a request takes rtt/2 to reach the far end and its bytes
+    rtt/2 to come back. The client keeps what ``model.window()`` allows of ``size``-byte
+    prefetches outstanding (bytes asked for, not yet received; at least two requests), as
+    the spoke's limiter does."""
+
+    model: LinkModel
+    bw: float
+    rtt: float
+    size: int = 100_000
+    chunk: int = 64 << 10        # the response's first read, which carries its headers
+    dt: float = 0.001
+    now: float = 0.0
+    reqs: list[_Req] = field(default_factory=list)
+    arriving: deque[tuple[float, _Req, float]] = field(default_factory=deque)
+    delivered: list[tuple[float, int]] = field(default_factory=list)
+    demand_latency: list[float] = field(default_factory=list)
+
+    def _send(self, size: int, demand: bool = False) -> None:
+        # A fill always has more waiting behind the window: no sample is app-limited.
+        self.reqs.append(_Req(size, self.model.sent(self.now), self.now + self.rtt / 2,
+                              demand, unreceived=size))
+
+    def demand(self, size: int = 100_000) -> None:
+        self._send(size, demand=True)
+
+    def run(self, seconds: float, prefetch: bool = True) -> None:
+        end = self.now + seconds
+        while self.now < end:
+            if prefetch:
+                while (sum(1 for r in self.reqs if not r.demand) < 2
+                       or sum(r.unreceived for r in self.reqs) < self.model.window()):
+                    self._send(self.size)
+            on_wire = sorted((r for r in self.reqs if r.at_link <= self.now
+                              and r.served < r.size), key=lambda r: r.size - r.served)
+            capacity = self.bw * self.dt
+            back = self.now + self.dt + self.rtt / 2
+            for i, r in enumerate(on_wire):  # processor sharing, leftovers passed on
+                give = min(capacity / (len(on_wire) - i), r.size - r.served)
+                r.served += give
+                capacity -= give
+                self.arriving.append((back, r, give))
+                if r.first_byte is None and r.served >= min(self.chunk, r.size):
+                    r.first_byte = back
+                if r.served >= r.size - 1e-6:
+                    r.served, r.done = r.size, back
+            self.now += self.dt
+            while self.arriving and self.arriving[0][0] <= self.now:
+                _, r, n = self.arriving.popleft()
+                self.model.received(int(n))
+                r.unreceived -= n
+            for r in [r for r in self.reqs if r.done is not None and r.done <= self.now]:
+                self.reqs.remove(r)
+                self.model.delivered(r.sent, 0, r.done, r.first_byte)
+                self.delivered.append((r.done, r.size))
+                if r.demand:
+                    self.demand_latency.append(r.done - r.sent.at)
+
+    def throughput(self, since: float) -> float:
+        return sum(n for t, n in self.delivered if t >= since) / (self.now - since)
+
+
+def _bdp(link: SimLink) -> float:
+    return link.bw * link.rtt
+
+
+# -- the model ----------------------------------------------------------------------------------
+@pytest.mark.parametrize("size", [4 << 20, 128 << 10])
+def test_fast_link_is_filled(size: int) -> None:
+    link = SimLink(LinkModel(), bw=400 * MB, rtt=0.06, size=size, dt=0.002)
+    link.run(1.0)
+    assert link.throughput(0.5) > 0.8 * link.bw  # (nearly) full within half a second
+    link.run(2.0)
+    m = link.model
+    assert 0.06 <= m.rtt <= 0.075
+    assert 0.85 * link.bw <= m.bandwidth <= 1.1 * link.bw
+    assert 1.5 * _bdp(link) <= m.window() <= 3 * _bdp(link)
+    assert not m.startup
+    assert link.throughput(1.0) > 0.9 * link.bw
+
+
+def test_slow_link_keeps_little_in_flight_and_readers_wait_little() -> None:
+    link = SimLink(LinkModel(), bw=8 * MB, rtt=0.06)
+    link.run(3.0)
+    m = link.model
+    assert 0.06 <= m.rtt <= 0.09   # a probe's first bytes share the link with one more
+    assert 0.85 * link.bw <= m.bandwidth <= 1.1 * link.bw
+    assert _bdp(link) <= m.window() <= 3 * _bdp(link)   # ~1 MB, not 64 x 100 KB
+    assert link.throughput(1.0) > 0.95 * link.bw
+    for _ in range(5):  # a reader's miss: about a round trip plus a share of the window
+        link.demand()
+        link.run(0.5)
+    assert max(link.demand_latency) < 0.3
+    # The same fill with 64 requests out (the old limit) makes the reader wait ~0.8 s.
+    unpaced = SimLink(LinkModel(min_window=6_400_000, max_window=6_400_000), bw=8 * MB,
+                      rtt=0.06)
+    unpaced.run(1.0)
+    unpaced.demand()
+    unpaced.run(3.0)
+    assert unpaced.demand_latency[0] > 0.6, unpaced.demand_latency
+
+
+def test_window_shrinks_when_the_link_slows_and_grows_back() -> None:
+    link = SimLink(LinkModel(), bw=8 * MB, rtt=0.06)
+    link.run(3.0)
+    full = link.model.window()
+    link.bw = 2 * MB   # another user takes three quarters of the link: responses slow down
+    link.run(4.0)
+    assert link.model.window() < 0.4 * full
+    assert link.throughput(link.now - 2.0) > 0.85 * link.bw
+    link.bw = 8 * MB
+    link.run(3.0)
+    assert link.model.window() > 0.8 * full
+    assert link.throughput(link.now - 2.0) > 0.85 * link.bw
+
+
+def test_rtt_is_reprobed_under_constant_load() -> None:
+    link = SimLink(LinkModel(), bw=8 * MB, rtt=0.06)
+    link.run(25.0)
+    assert link.model.probes >= 2
+    assert 0.06 <= link.model.rtt <= 0.09  # queueing never passes for a longer round trip
+    assert link.throughput(1.0) > 0.9 * link.bw
+    link.rtt = 0.2     # a longer route: found at the next probe, the window grows with it
+    before = link.model.window()
+    link.run(15.0)
+    assert 0.2 <= link.model.rtt <= 0.23
+    assert link.model.window() > 2 * before
+    assert link.throughput(link.now - 2.0) > 0.9 * link.bw
+
+
+def test_app_limited_samples_do_not_lower_the_estimate() -> None:
+    m = LinkModel()
+    s = m.sent(0.0)
+    m.delivered(s, 4_000_000, 0.5, first_byte=0.06)
+    bw = m.bandwidth
+    for i in range(20):   # a lone reader later on: slow, but it says nothing about the link
+        t = 1.0 + i
+        m.delivered(m.sent(t, app_limited=True), 100_000, t + 0.07, first_byte=t + 0.065)
+    assert m.bandwidth == bw
+    m.delivered(m.sent(30.0), 100_000, 30.07, first_byte=30.065)   # not app-limited: counts
+    assert m.bandwidth < bw
+
+
+def test_window_bounds_and_first_guess() -> None:
+    m = LinkModel(min_window=1000, max_window=10_000, initial_window=5000)
+    assert m.window() == 5000
+    m.delivered(m.sent(0.0), 1, 1.0)       # 1 B/s: the floor
+    assert m.window() == 5000              # startup never goes below the first guess
+    with pytest.raises(ValueError):
+        LinkModel(min_window=10, max_window=5)
+
+
+# -- the limiter's window -----------------------------------------------------------------------
+def test_limiter_holds_prefetch_to_the_window_but_never_demand() -> None:
+    async def main() -> None:
+        lim = PriorityLimiter(8, prefetch_window=250, min_prefetch=1)
+        order: list[str] = []
+
+        async def take(name: str, priority: int, size: int, ticket: Ticket | None = None
+                       ) -> None:
+            async with lim.slot(priority, ticket, size):
+                order.append(name)
+                await asyncio.sleep(3600)
+
+        tasks = [asyncio.create_task(take(f"p{i}", 1, 100)) for i in range(5)]
+        await asyncio.sleep(0)
+        assert order == ["p0", "p1", "p2"] and lim.inflight_bytes == 300  # 200 < 250: one more
+        assert lim.queued == 2 and lim.held_back
+        tasks.append(asyncio.create_task(take("d", 0, 100)))   # a slot is free: demand goes
+        await asyncio.sleep(0)
+        assert order[-1] == "d" and lim.inflight_bytes == 400
+        ticket = Ticket()
+        tasks.append(asyncio.create_task(take("raised", 1, 100, ticket)))
+        await asyncio.sleep(0)
+        assert "raised" not in order
+        ticket.raise_to(0)                                    # a reader now waits for it
+        await asyncio.sleep(0)
+        assert order[-1] == "raised"
+        lim.set_prefetch_window(10_000)                       # the link grew: the rest go
+        await asyncio.sleep(0)
+        assert sorted(order) == ["d", "p0", "p1", "p2", "p3", "p4", "raised"]
+        assert lim.active == 7 and lim.prefetch_active == 5
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        assert lim.active == 0 and lim.inflight_bytes == 0 and lim.prefetch_active == 0
+
+    asyncio.run(main())
+
+
+def test_limiter_lets_a_large_block_through_a_small_window() -> None:
+    async def main() -> None:
+        lim = PriorityLimiter(8, prefetch_window=1000, min_prefetch=2)
+        grants = [await lim.acquire(1, size=4 << 20) for _ in range(2)]  # two always may go
+        third = asyncio.create_task(lim.acquire(1, size=4 << 20))
+        await asyncio.sleep(0)
+        assert not third.done()
+        lim.release(grants[0])
+        assert (await third).prefetch
+
+    asyncio.run(main())
+
+
+# -- a real narrow link -------------------------------------------------------------------------
+def _timed_read(http: urllib3.PoolManager, url: str, expect: int) -> float:
+    t = time.monotonic()
+    r = http.request("GET", url)
+    assert r.status == 200 and len(r.data) == expect
+    return time.monotonic() - t
+
+
+@pytest.mark.parametrize("pacing", [True, False], ids=["paced", "unpaced"])
+def test_reader_does_not_wait_behind_a_fill_on_a_narrow_link(tmp_path: Path,
+                                                             pacing: bool) -> None:
+    from servers import ServerProcess, hub, spoke
+    from spokefs.client.control import SpokeControl
+
+    rng = random.Random(3)
+    root = tmp_path / "ds"
+    n, size = 100, 100_000
+    for i in range(n):
+        d = root / f"c{i % 4}"
+        d.mkdir(parents=True, exist_ok=True)
+        (d / f"f{i:03d}.bin").write_bytes(rng.randbytes(size))
+    http = urllib3.PoolManager(retries=False, timeout=30)
+    with hub(root, tmp_path / "hub") as h, \
+            ServerProcess("wan", "--listen", "127.0.0.1:0", "--upstream", h.hostport,
+                          "--rtt", "60ms", "--bandwidth", "4MB/s") as w, \
+            spoke(w.url, tmp_path / "cache", "1GiB",
+                  *([] if pacing else ["--no-pacing"])) as s:
+        ctl = SpokeControl(f"{s.url}/ds")
+        _timed_read(http, f"{s.url}/ds/c0/f000.bin", size)  # the manifest, a first sample
+        ctl.warm(prefix="", wait=False)   # 10 MB: 2.5 s of link, fetched in path order
+        waits = []
+        for k, i in enumerate([99, 95, 91]):  # the files the fill reaches last
+            while ctl.residency(prefix="")["resident_files"] < 3 + 5 * k:
+                time.sleep(0.02)
+            waits.append(_timed_read(http, f"{s.url}/ds/c{i % 4}/f{i:03d}.bin", size))
+        t = time.monotonic()
+        ctl.warm(prefix="", wait=True, progress=False, timeout=60)
+        assert time.monotonic() - t < 30
+    print(f"pacing={pacing}: reads took {[round(x, 3) for x in waits]} s")
+    # Paced: ~0.2 s (a round trip, a share of ~0.5 MB in flight, 100 KB at 4 MB/s). Unpaced:
+    # the fill holds 64 requests (6.4 MB) on the link and a read takes ~0.9 s or more.
+    if pacing:
+        assert sorted(waits)[1] < 0.5, waits
+    else:  # the first read always finds the fill on the link; later ones may find it done
+        assert max(waits) > 0.5, waits
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(pytest.main([__file__, "-v", "-s"]))
