@@ -35,7 +35,6 @@ from spokefs.errors import (
     BadRequest,
     IntegrityError,
     NotFound,
-    SpokeError,
     UpstreamUnavailable,
 )
 from spokefs.integrity import DEFAULT_BLOCK_SIZE, block_count, block_digest, blocks_in_range
@@ -329,15 +328,9 @@ class SpokeBackend:
                 fut = self._start_fetch(name, version, i, DEMAND)  # evicted or corrupt
             self.metrics.misses.inc()
             self._just_fetched.discard((version, i))
-            try:
-                block = await self._wait_fetch(fut, f"block {i} of {version} ({name})")
-            except SpokeError as exc:
-                if i == indexes[0]:
-                    raise  # nothing sent yet: the reader gets the error's own status
-                # Status and bytes are already out: only a cut connection tells the reader,
-                # never an error response written into the body as if it were data.
-                raise ConnectionAbortedError(f"{name} {version} failed mid-response at block "
-                                             f"{i}: {exc}") from exc
+            # An error after the first block reaches the reader as a cut connection
+            # (wire.server.send_segments), never as an error written into the body.
+            block = await self._wait_fetch(fut, f"block {i} of {version} ({name})")
             yield memoryview(block.data)[lo:hi]
 
     async def _block(self, name: str, version: str, index: int, priority: int) -> Block:

@@ -83,7 +83,13 @@ async def send_segments(request: web.Request, segments: AsyncIterator[Segment],
                     seg.file.close()
             else:
                 await resp.write(seg)
-            seg = await anext(segments, None)
+            try:
+                seg = await anext(segments, None)
+            except SpokeError as exc:
+                # Status and bytes are already out: only a cut connection tells the reader.
+                # An error response here would be written into the body as if it were data.
+                seg = None
+                raise ConnectionAbortedError(f"read failed mid-response: {exc}") from exc
     finally:
         if seg is not None and isinstance(seg, FileSegment):
             seg.file.close()
