@@ -260,6 +260,7 @@ class BlockStore:
                 if self.fsync:
                     os.fsync(f.fileno())
             os.replace(tmp, final)
+            st = os.stat(final)  # after the rename: it moves ctime on ext4
         except OSError as exc:
             with contextlib.suppress(OSError):
                 tmp.unlink(missing_ok=True)
@@ -280,6 +281,9 @@ class BlockStore:
             self._records[key] = BlockRecord(key, size, digest, dataset)
             self.used += size
             self.policy.insert(key, size)
+            # The caller verified these bytes: their first read need not hash them again.
+            self._verified[key] = ((st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns),
+                                   time.monotonic())
         return True
 
     def _index_write(self, sql: str, rows: list[tuple[object, ...]]) -> bool:
