@@ -7,26 +7,12 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import shutil
 from pathlib import Path
 
 import pytest
 
 from spokefs.bench import race
-
-
-def _fuse_unusable() -> str | None:
-    try:
-        os.close(os.open("/dev/fuse", os.O_RDWR))
-    except OSError as exc:
-        return f"cannot open /dev/fuse: {exc.strerror}"
-    if shutil.which("fusermount3") is None:
-        return "fusermount3 is not installed"
-    try:
-        import pyfuse3  # noqa: F401
-    except ImportError as exc:
-        return f"pyfuse3 is not importable: {exc}"
-    return None
+from spokefs.mount.process import fuse_unusable
 
 
 def run(out: Path, *extra: str) -> dict:
@@ -42,7 +28,7 @@ TINY = ("--rtt", "10ms", "--bandwidth", "100MB/s", "--shards", "2", "--shard-siz
         "--readers", "1,2", "--timeout", "60s", "--verify")
 
 
-@pytest.mark.skipif(_fuse_unusable() is not None, reason=f"no FUSE: {_fuse_unusable()}")
+@pytest.mark.skipif(fuse_unusable() is not None, reason=f"no FUSE: {fuse_unusable()}")
 def test_race_tiny(tmp_path: Path) -> None:
     doc = run(tmp_path / "out", "--work-dir", str(tmp_path / "work"),
               "--tools", "local,spokefs,spokefs_hints,http_direct", *TINY)

@@ -32,28 +32,11 @@ from servers import ServerProcess, hub, make_dataset, spoke
 from spokefs.errors import ConfigError
 from spokefs.mount import sysfs
 from spokefs.mount.coalesce import Coalescer
-from spokefs.mount.process import MountError, MountProcess, unmount
+from spokefs.mount.process import MountError, MountProcess, fuse_unusable, unmount
 from spokefs.mount.source import ReadFailed, Target, retry_until
 from spokefs.wire.client import Transient
 
-
-def _fuse_unusable() -> str | None:
-    if not Path("/dev/fuse").exists():
-        return "/dev/fuse does not exist"
-    try:
-        os.close(os.open("/dev/fuse", os.O_RDWR))
-    except OSError as exc:
-        return f"cannot open /dev/fuse: {exc.strerror}"
-    if not any(Path(d, "fusermount3").exists() for d in os.environ["PATH"].split(":")):
-        return "fusermount3 is not installed"
-    try:
-        import pyfuse3  # noqa: F401
-    except ImportError as exc:
-        return f"pyfuse3 is not importable: {exc}"
-    return None
-
-
-FUSE_REASON = _fuse_unusable()
+FUSE_REASON = fuse_unusable()
 needs_fuse = pytest.mark.skipif(FUSE_REASON is not None, reason=f"no FUSE: {FUSE_REASON}")
 
 

@@ -196,22 +196,9 @@ class Dataset:
 
 # -- processes -------------------------------------------------------------------------------
 def _fuse_reason() -> str | None:
-    if not Path("/dev/fuse").exists():
-        return "/dev/fuse does not exist"
-    try:
-        os.close(os.open("/dev/fuse", os.O_RDWR))
-    except OSError as exc:
-        return f"cannot open /dev/fuse: {exc.strerror}"
-    if shutil.which("fusermount3") is None:
-        return "fusermount3 is not installed"
-    try:
-        import pyfuse3  # noqa: F401
+    from spokefs.mount.process import fuse_unusable
 
-        import spokefs.mount.cli
-        import spokefs.mount.process  # noqa: F401
-    except ImportError as exc:
-        return f"`spokefs mount` is not available here: {exc}"
-    return None
+    return fuse_unusable()
 
 
 class Wan:

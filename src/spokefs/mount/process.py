@@ -15,6 +15,7 @@ mount is usable as soon as ``start()`` returns.
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -115,3 +116,19 @@ def unmount(mountpoint: str | os.PathLike[str]) -> bool:
         return False
     lazy_unmount(Path(mountpoint))
     return True
+
+
+def fuse_unusable() -> str | None:
+    """Why a FUSE mount cannot work here (None when it can): tests skip and benchmarks
+    leave the mount out with this reason."""
+    try:
+        os.close(os.open("/dev/fuse", os.O_RDWR))
+    except OSError as exc:
+        return f"cannot open /dev/fuse: {exc.strerror or exc}"
+    if shutil.which("fusermount3") is None:
+        return "fusermount3 is not installed (Debian package fuse3)"
+    try:
+        import pyfuse3  # noqa: F401
+    except ImportError as exc:
+        return f"pyfuse3 is not importable: {exc}"
+    return None
