@@ -13,8 +13,8 @@ only (a) temp files, removed at open, and (b) block files with no index row, als
 open. A block is served only when its index row exists and its bytes match the digest in that
 row. An index that cannot be opened at all (corrupt, or on a volume too full for SQLite's WAL
 files) is replaced by an empty one and the block files go with it: the spoke starts empty
-rather than not at all. The digest (xxh3, memory speed) is checked on the first read of a
-block in this process, again whenever the block file's identity (inode, size, mtime, ctime)
+rather than not at all. The digest (xxh3, memory speed) is checked before a block is put,
+on its first read after a restart, again whenever the block file's identity (inode, size, mtime, ctime)
 changed, and at least every ``reverify_after`` seconds while it is read; so bit rot, a torn
 write or a stray write is caught and the block refetched, without hashing 4 MiB for every
 128 KiB read.
