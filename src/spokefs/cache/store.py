@@ -14,10 +14,10 @@ open. A block is served only when its index row exists and its bytes match the d
 row. An index that cannot be opened at all (corrupt, or on a volume too full for SQLite's WAL
 files) is replaced by an empty one and the block files go with it: the spoke starts empty
 rather than not at all. The digest (xxh3, memory speed) is checked before a block is put,
-on its first read after a restart, again whenever the block file's identity (inode, size, mtime, ctime)
-changed, and at least every ``reverify_after`` seconds while it is read; so bit rot, a torn
-write or a stray write is caught and the block refetched, without hashing 4 MiB for every
-128 KiB read.
+on its first read after a restart, again whenever the block file's identity (inode, size,
+mtime, ctime) changed, and at least every ``reverify_after`` seconds while it is read; so
+bit rot, a torn write or a stray write is caught and the block refetched, without hashing
+4 MiB for every 128 KiB read.
 
 ``capacity`` is a hard bound on the bytes of resident plus reserved blocks; the eviction policy
 (spokefs.policy) chooses victims. When nothing can be evicted (all pinned) or the disk refuses
@@ -201,7 +201,8 @@ class BlockStore:
             ident = (st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
             seen = self._verified.get(key)
             now = time.monotonic()
-            if seen is not None and seen[0] == ident and now - seen[1] < self.reverify_after:
+            if (seen is not None and seen[0] == ident and st.st_size == rec.size
+                    and now - seen[1] < self.reverify_after):
                 ok = True  # same file, unchanged since we checked it moments ago
             else:
                 ok = st.st_size == rec.size and _digest_of(f, rec.size) == rec.digest
@@ -256,7 +257,11 @@ class BlockStore:
         try:
             final.parent.mkdir(exist_ok=True)
             with open(tmp, "wb", buffering=0) as f:
-                f.write(data)
+                # An unbuffered write may write part of the block on a full volume and
+                # return the count instead of raising: a short block must never be indexed.
+                written = f.write(data)
+                if written != size:
+                    raise OSError(errno.ENOSPC, f"short write: {written} of {size} bytes")
                 if self.fsync:
                     os.fsync(f.fileno())
             os.replace(tmp, final)
