@@ -34,15 +34,14 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("-v", "--verbose", action="count", default=0, help="more log output")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     sub.required = True
-    for name in COMMAND_MODULES:
-        try:
-            module = importlib.import_module(name)
-        except ModuleNotFoundError as exc:
-            if exc.name != name:  # a real missing dependency, not a part not built yet
-                raise
-            continue
-        module.register(sub)
+    register_modules(sub, COMMAND_MODULES)
     return parser
+
+
+def register_modules(sub: argparse._SubParsersAction, names: list[str]) -> None:
+    """Let each module add its subcommands (``module.register(sub)``), in order."""
+    for name in names:
+        importlib.import_module(name).register(sub)
 
 
 def main(argv: list[str] | None = None) -> int:

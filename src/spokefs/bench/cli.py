@@ -6,7 +6,8 @@ Each benchmark lives in its own module exposing ``register(subparsers)``.
 from __future__ import annotations
 
 import argparse
-import importlib
+
+from spokefs.cli import register_modules
 
 BENCH_MODULES = [
     "spokefs.bench.serve",
@@ -25,11 +26,4 @@ def register(sub: argparse._SubParsersAction) -> None:
                            "where they help) and prints a table. Run on an idle machine.")
     bsub = bench.add_subparsers(dest="bench_command", metavar="BENCHMARK")
     bsub.required = True
-    for name in BENCH_MODULES:
-        try:
-            module = importlib.import_module(name)
-        except ModuleNotFoundError as exc:
-            if exc.name != name:
-                raise
-            continue
-        module.register(bsub)
+    register_modules(bsub, BENCH_MODULES)

@@ -14,11 +14,9 @@ Errors are mapped like ``UpstreamClient``: connection failures, a body cut short
 from __future__ import annotations
 
 import asyncio
-import json
 from urllib.parse import urlsplit
 
-from spokefs.errors import from_status
-from spokefs.wire.client import Transient
+from spokefs.wire.client import Transient, raise_for_status
 
 _HEAD_MAX = 64 * 1024
 
@@ -225,7 +223,7 @@ class RangeClient:
                 break
         if isinstance(resp.body, int):
             return resp.body
-        _raise_for(resp.status, resp.body, f"{path} [{start},{start + len(buf)})")
+        raise_for_status(resp.status, resp.body, f"{path} [{start},{start + len(buf)})")
         raise AssertionError("unreachable")
 
     def _take_idle(self) -> _Connection | None:
@@ -242,12 +240,3 @@ class RangeClient:
         self._all.clear()
         self._idle.clear()
 
-
-def _raise_for(status: int, body: bytes, what: str) -> None:
-    if status >= 500 and status != 501:
-        raise Transient(f"upstream answered {status} for {what}")
-    try:
-        doc = json.loads(body)
-    except ValueError:
-        doc = None
-    raise from_status(status, doc, f"upstream answered {status} for {what}")

@@ -88,15 +88,8 @@ class UpstreamClient:
                             type(exc).__name__) from exc
 
     def _check(self, status: int, body: bytes, what: str) -> None:
-        if status < 400:
-            return
-        if status >= 500 and status != 501:
-            raise Transient(f"upstream answered {status} for {what}")
-        try:
-            doc = json.loads(body)
-        except ValueError:
-            doc = None
-        raise from_status(status, doc, f"upstream answered {status} for {what}")
+        if status >= 400:
+            raise_for_status(status, body, what)
 
     async def get_json(self, path: str) -> dict:
         status, _, body = await self._get(path)
@@ -149,6 +142,17 @@ class UpstreamClient:
         status, headers, body = await self._get(path, method="HEAD")
         self._check(status, body, path)
         return int(headers["Content-Length"]), int(headers.get(H_BLOCK_SIZE, 0))
+
+
+def raise_for_status(status: int, body: bytes, what: str) -> None:
+    """Map an upstream error answer: 5xx (but 501) may be retried, the rest are final."""
+    if status >= 500 and status != 501:
+        raise Transient(f"upstream answered {status} for {what}")
+    try:
+        doc = json.loads(body)
+    except ValueError:
+        doc = None
+    raise from_status(status, doc, f"upstream answered {status} for {what}")
 
 
 def _total_size(headers: dict[str, str], body_len: int) -> int:
