@@ -723,7 +723,7 @@ class Race:
         st = served.link.status()
         cpu = {k: round(_cpu_seconds(v) - cpu0[k], 2) for k, v in pids.items()}
         cpu["bench"] = round(_self_cpu() - self0, 2)
-        return {"seconds": round(r.seconds, 3), "link_bytes": st["bytes_up"] + st["bytes_down"],
+        return {"seconds": round(r.seconds, 6), "link_bytes": st["bytes_up"] + st["bytes_down"],
                 "link_bytes_down": st["bytes_down"], "link_connections": st["connections"],
                 "timed_out": r.timed_out, "files_done": r.files_done, "bytes_read": r.bytes_read,
                 "error": r.error, "cpu_s": cpu, "load_avg": round(os.getloadavg()[0], 2)}
