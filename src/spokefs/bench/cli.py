@@ -11,6 +11,7 @@ from spokefs.cli import register_modules
 
 BENCH_MODULES = [
     "spokefs.bench.serve",
+    "spokefs.bench.dataplane",
     "spokefs.bench.wan",
     "spokefs.bench.mount",
     "spokefs.bench.train",

@@ -48,6 +48,7 @@ from spokefs.spoke.metrics import SpokeMetrics
 from spokefs.spoke.prefetch import PrefetchDriver
 from spokefs.wire.backend import DatasetInfo, FileSegment, ManifestMemo, ReadContext, Segment
 from spokefs.wire.client import Block, Transient, UpstreamClient
+from spokefs.wire.looplag import LoopLag
 
 log = logging.getLogger(__name__)
 
@@ -118,6 +119,7 @@ class SpokeBackend:
         self.metrics.prefetch_window.set_function(
             lambda: self.limiter.prefetch_window or self.config.prefetch_inflight)
         self.spawn(self._housekeeping())
+        self.spawn(LoopLag(self.registry).run())
         if self.config.prefetch:
             planner = Planner(capacity=self.store.capacity,
                               max_inflight_bytes=self.config.prefetch_inflight,
