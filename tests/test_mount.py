@@ -29,12 +29,12 @@ import pytest
 sys.path.insert(0, str(Path(__file__).parent))
 
 from servers import ServerProcess, hub, make_dataset, spoke
-from spokefs.errors import ConfigError
+from spokefs.cache.inspect import blocks_on_disk
+from spokefs.errors import ConfigError, Transient
 from spokefs.mount import sysfs
 from spokefs.mount.coalesce import Coalescer
 from spokefs.mount.process import MountError, MountProcess, fuse_unusable, unmount
 from spokefs.mount.source import ReadFailed, Target, retry_until
-from spokefs.wire.client import Transient
 
 FUSE_REASON = fuse_unusable()
 needs_fuse = pytest.mark.skipif(FUSE_REASON is not None, reason=f"no FUSE: {FUSE_REASON}")
@@ -625,5 +625,4 @@ def test_embedded_cache_reads_a_hub_directly(stack: tuple[Path, ServerProcess],
         with open(mp / "shards" / "shard-002.tar", "rb", buffering=0) as f:
             for off in (0, 5_000_000, len(src) - 100):
                 assert os.pread(f.fileno(), 200_000, off) == src[off:off + 200_000]
-    blocks = [p for p in (cache / "blocks").rglob("*") if p.is_file()]
-    assert blocks, "the embedded cache kept nothing"
+    assert blocks_on_disk(cache), "the embedded cache kept nothing"

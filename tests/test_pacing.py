@@ -3,7 +3,6 @@ prefetch window, and a real narrow link where a reader must not wait behind a fi
 
 from __future__ import annotations
 
-import asyncio
 import random
 import sys
 import time
@@ -15,7 +14,7 @@ import pytest
 import urllib3
 
 from spokefs.linkmodel import LinkModel, Sent
-from spokefs.spoke.limiter import PriorityLimiter, Ticket
+from spokefs.spoke.fetchqueue import FetchQueue
 
 MB = 1_000_000
 
@@ -187,55 +186,90 @@ def test_window_bounds_and_first_guess() -> None:
         LinkModel(min_window=10, max_window=5)
 
 
-# -- the limiter's window -----------------------------------------------------------------------
-def test_limiter_holds_prefetch_to_the_window_but_never_demand() -> None:
-    async def main() -> None:
-        lim = PriorityLimiter(8, prefetch_window=250, min_prefetch=1)
-        order: list[str] = []
-
-        async def take(name: str, priority: int, size: int, ticket: Ticket | None = None
-                       ) -> None:
-            async with lim.slot(priority, ticket, size):
-                order.append(name)
-                await asyncio.sleep(3600)
-
-        tasks = [asyncio.create_task(take(f"p{i}", 1, 100)) for i in range(5)]
-        await asyncio.sleep(0)
-        assert order == ["p0", "p1", "p2"] and lim.inflight_bytes == 300  # 200 < 250: one more
-        assert lim.queued == 2 and lim.held_back
-        tasks.append(asyncio.create_task(take("d", 0, 100)))   # a slot is free: demand goes
-        await asyncio.sleep(0)
-        assert order[-1] == "d" and lim.inflight_bytes == 400
-        ticket = Ticket()
-        tasks.append(asyncio.create_task(take("raised", 1, 100, ticket)))
-        await asyncio.sleep(0)
-        assert "raised" not in order
-        ticket.raise_to(0)                                    # a reader now waits for it
-        await asyncio.sleep(0)
-        assert order[-1] == "raised"
-        lim.set_prefetch_window(10_000)                       # the link grew: the rest go
-        await asyncio.sleep(0)
-        assert sorted(order) == ["d", "p0", "p1", "p2", "p3", "p4", "raised"]
-        assert lim.active == 7 and lim.prefetch_active == 5
-        for t in tasks:
-            t.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
-        assert lim.active == 0 and lim.inflight_bytes == 0 and lim.prefetch_active == 0
-
-    asyncio.run(main())
+# -- the fetch queue's window ------------------------------------------------------------------
+def test_queue_holds_prefetch_to_the_window_but_never_demand() -> None:
+    q = FetchQueue(8, prefetch_window=250, min_prefetch=1, max_blocks=1)
+    entries = {f"p{i}": q.add(f"p{i}", "ds", 1, 100) for i in range(5)}
+    out = []
+    while (b := q.next_batch()) is not None:
+        out.append(b)
+    assert [b.entries[0].key for b in out] == ["p0", "p1", "p2"]  # 200 < 250: one more
+    assert q.inflight_bytes == 300 and q.queued == 2 and q.held_back
+    q.add("d", "ds", 0, 100)                       # a slot is free: demand goes
+    b = q.next_batch()
+    assert b is not None and b.entries[0].key == "d" and not b.prefetch
+    assert q.inflight_bytes == 400
+    raised = q.add("raised", "ds", 1, 100)
+    assert q.next_batch() is None
+    q.raise_priority(raised, 0)                    # a reader now waits for it
+    b = q.next_batch()
+    assert b is not None and b.entries[0].key == "raised"
+    q.prefetch_window = 10_000                     # the link grew: the rest go
+    rest = [q.next_batch(), q.next_batch()]
+    assert {x.entries[0].key for x in rest if x} == {"p3", "p4"}
+    assert q.active == 7 and q.prefetch_active == 5
+    assert entries["p3"].state != 0
 
 
-def test_limiter_lets_a_large_block_through_a_small_window() -> None:
-    async def main() -> None:
-        lim = PriorityLimiter(8, prefetch_window=1000, min_prefetch=2)
-        grants = [await lim.acquire(1, size=4 << 20) for _ in range(2)]  # two always may go
-        third = asyncio.create_task(lim.acquire(1, size=4 << 20))
-        await asyncio.sleep(0)
-        assert not third.done()
-        lim.release(grants[0])
-        assert (await third).prefetch
+def test_queue_received_bytes_make_room_and_finished_frees_the_slot() -> None:
+    q = FetchQueue(2, prefetch_window=700, min_prefetch=0, max_blocks=1)
+    q.add("a", "ds", 1, 800)
+    q.add("b", "ds", 1, 800)
+    a = q.next_batch()
+    assert a is not None and q.next_batch() is None   # 800 outstanding: past the window
+    q.received(a, 700)                                  # most of it arrived
+    b = q.next_batch()
+    assert b is not None and q.inflight_bytes == 900
+    q.finished(a)
+    q.finished(b)
+    assert q.active == 0 and q.inflight_bytes == 0 and q.prefetch_active == 0
 
-    asyncio.run(main())
+
+def test_queue_lets_a_large_block_through_a_small_window() -> None:
+    q = FetchQueue(8, prefetch_window=1000, min_prefetch=2, max_blocks=1)
+    for i in range(3):
+        q.add(i, "ds", 1, 4 << 20)
+    first, second = q.next_batch(), q.next_batch()      # two always may go
+    assert first is not None and second is not None and q.next_batch() is None
+    q.finished(first)
+    third = q.next_batch()
+    assert third is not None and third.prefetch
+
+
+def test_batches_group_one_dataset_and_one_kind_in_priority_order() -> None:
+    q = FetchQueue(8, max_blocks=3, max_bytes=1 << 30)
+    for i in range(4):
+        q.add(("a", i), "a", 0, 10)
+    q.add(("b", 0), "b", 0, 10)
+    q.add(("p", 0), "a", 5, 10)
+    q.add(("x", 0), "a", 0, 10)  # after a's demand entries, same priority
+    b1 = q.next_batch()
+    assert b1 is not None and [e.key for e in b1.entries] == [("a", 0), ("a", 1), ("a", 2)]
+    b2 = q.next_batch()
+    assert b2 is not None and [e.key for e in b2.entries] == [("a", 3), ("x", 0)]
+    b3 = q.next_batch()
+    assert b3 is not None and [e.key for e in b3.entries] == [("b", 0)]
+    b4 = q.next_batch()
+    assert b4 is not None and b4.prefetch and [e.key for e in b4.entries] == [("p", 0)]
+    assert q.next_batch() is None and q.queued == 0
+
+
+def test_a_prefetch_batch_takes_a_share_of_the_window() -> None:
+    MiB = 1 << 20
+    q = FetchQueue(8, prefetch_window=40 * MiB, min_prefetch=0, max_blocks=100)
+    for i in range(60):
+        q.add(i, "ds", 1 + i, MiB)
+    sizes = []
+    while (b := q.next_batch()) is not None:
+        sizes.append(b.size)
+    assert sizes == [10 * MiB] * 4  # a quarter each; then the window is full
+    q2 = FetchQueue(8, prefetch_window=256 * 1024, min_prefetch=0, max_blocks=100)
+    for i in range(20):
+        q2.add(i, "ds", 1, 128 * 1024)
+    b = q2.next_batch()
+    assert b is not None and b.size == MiB  # a short link: batches still worth their cost
+    removed = q2.add("gone", "ds", 1, 100)
+    assert q2.remove(removed) and not q2.remove(removed)
 
 
 # -- a real narrow link -------------------------------------------------------------------------

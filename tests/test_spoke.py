@@ -14,6 +14,7 @@ import pytest
 import urllib3
 
 from servers import spoke
+from spokefs.cache.inspect import OnDisk, blocks_on_disk
 from spokefs.manifest import Manifest
 
 http = urllib3.PoolManager(retries=False, maxsize=16)
@@ -31,6 +32,18 @@ def metric(base: str, name: str) -> float:
         if m:
             total += float(m.group(1))
     return total
+
+
+def wait_for_index(cache: Path, n: int, timeout: float = 10.0) -> list[OnDisk]:
+    """The blocks in the spoke's committed index, once there are at least ``n`` (it commits
+    in batches, every 50 ms)."""
+    end = time.monotonic() + timeout
+    while True:
+        blocks = blocks_on_disk(cache)
+        if len(blocks) >= n or time.monotonic() > end:
+            assert len(blocks) >= n, f"{len(blocks)} blocks indexed, expected {n}"
+            return blocks
+        time.sleep(0.02)
 
 
 def read_all(base: str, dataset: Path) -> int:
@@ -99,9 +112,9 @@ def test_cache_size_is_a_hard_bound(hub_server, dataset: Path, tmp_path: Path) -
         read_all(s.url, dataset)
         assert metric(s.url, "spokefs_cache_bytes") <= cap
         assert metric(s.url, "spokefs_cache_evictions_total") > 0
-        on_disk = sum(p.stat().st_size for p in (tmp_path / "cache/blocks").rglob("*")
-                      if p.is_file())
-        assert on_disk <= cap
+        # What the files hold on disk (they are sparse: st_blocks, not st_size).
+        on_disk = sum(p.stat().st_blocks * 512 for p in (tmp_path / "cache/segments").iterdir())
+        assert on_disk <= cap + 64 * 1024  # ext4's extent blocks
 
 
 def test_upstream_down_cached_served_uncached_503(hub_server, dataset: Path,
@@ -130,13 +143,14 @@ def test_corrupt_block_is_detected_refetched_counted(spoke_server, dataset: Path
     base = spoke_server.url
     src = (dataset / "class3/img0003.jpg").read_bytes()
     assert get(f"{base}/ds/class3/img0003.jpg").data == src
-    blocks = [p for p in (tmp_path / "cache/blocks").rglob("*") if p.is_file()]
-    assert blocks
-    for p in blocks:  # flip a byte in every cached block
-        data = bytearray(p.read_bytes())
-        if data:
-            data[len(data) // 2] ^= 0xFF
-            p.write_bytes(bytes(data))
+    blocks = wait_for_index(tmp_path / "cache", 1)
+    for b in blocks:  # flip a byte in every cached block
+        with open(b.path, "r+b") as f:
+            at = b.offset + b.size // 2
+            f.seek(at)
+            byte = f.read(1)[0]
+            f.seek(at)
+            f.write(bytes([byte ^ 0xFF]))
     fetched = metric(base, "spokefs_upstream_bytes_total")
     assert get(f"{base}/ds/class3/img0003.jpg").data == src
     assert metric(base, "spokefs_integrity_failures_total") >= 1
@@ -148,12 +162,12 @@ def test_unwritable_cache_passes_through(hub_server, dataset: Path, tmp_path: Pa
         pytest.skip("needs mount(8) for a tiny tmpfs")
     cache = tmp_path / "cache"
     with spoke(hub_server.url, cache) as s:
-        # Make the block folders read-only to every writer, root included: a read-only bind.
-        (cache / "blocks").chmod(0o500)
-        os.system(f"mount --bind -o ro {cache / 'tmp'} {cache / 'tmp'} 2>/dev/null")
-        tmp_ro = os.system(f"mount -o remount,bind,ro {cache / 'tmp'} 2>/dev/null") == 0
+        # Make the segment folder read-only to every writer, root included: a read-only bind.
+        seg = cache / "segments"
+        os.system(f"mount --bind -o ro {seg} {seg} 2>/dev/null")
+        seg_ro = os.system(f"mount -o remount,bind,ro {seg} 2>/dev/null") == 0
         try:
-            if not tmp_ro:
+            if not seg_ro:
                 pytest.skip("cannot make the cache read-only here")
             try:
                 assert read_all(s.url, dataset) > 0
@@ -166,7 +180,7 @@ def test_unwritable_cache_passes_through(hub_server, dataset: Path, tmp_path: Pa
             logs = "".join(s.output)
             assert logs.count("cannot write to") == 1  # logged once
         finally:
-            os.system(f"umount {cache / 'tmp'} 2>/dev/null")
+            os.system(f"umount {seg} 2>/dev/null")
 
 
 def test_new_version_never_mixes(hub_server, dataset: Path, tmp_path: Path) -> None:

@@ -8,6 +8,8 @@
     ├── UpstreamUnavailable         upstream unreachable past the deadline (HTTP 503)
     ├── IntegrityError              bytes that do not match their digest
     └── ConfigError                 a bad size, duration, URL or option
+    Transient                       an upstream failure worth retrying (not a SpokeError:
+                                    it never reaches a user; retries end in UpstreamUnavailable)
 
 Lower-level errors (aiohttp, urllib3, OSError) are mapped to these at the boundary with
 ``raise ... from exc``. Every message says what happened and, where there is one, what to do.
@@ -73,6 +75,11 @@ class ConfigError(SpokeError, argparse.ArgumentTypeError):
     # An ArgumentTypeError too: argparse reports a bad option value with this message.
     status = 400
     code = "config"
+
+
+class Transient(Exception):
+    """A failure worth retrying: the upstream may answer later (refused, reset, silent, 5xx,
+    a body cut short)."""
 
 
 def from_status(status: int, body: dict | None, fallback: str) -> SpokeError:

@@ -25,7 +25,6 @@ import random
 import re
 import shutil
 import signal
-import sqlite3
 import subprocess
 import sys
 import threading
@@ -43,7 +42,7 @@ import urllib3
 import spokefs
 from spokefs.bench.common import machine, table, write_json
 from spokefs.bench.procs import Service
-from spokefs.integrity import block_digest
+from spokefs.cache.inspect import blocks_on_disk, cached_versions, store_check
 from spokefs.manifest import Manifest
 from spokefs.wan import WanLinkThread
 
@@ -534,46 +533,11 @@ def read_all(c: Case, base: str, snap: str, expected: dict[str, bytes],
     return ep
 
 
-def store_check(cache_dir: Path) -> dict[str, int]:
-    """Look at a stopped (or killed) spoke's cache folder: index rows against block files.
-
-    ``rows``: indexed blocks; ``whole``: rows whose file has the indexed size and digest;
-    ``bad``: rows whose file is there but short or wrong (a torn block: must never happen);
-    ``missing``: rows without a file (a deletion the index could not record on a full volume;
-    a read treats it as absent, the next start drops it); ``orphans``: block files without a
-    row; ``tmp``: files in tmp/ (interrupted writes)."""
-    db = sqlite3.connect(cache_dir / "index.sqlite", timeout=30)
-    try:
-        rows = db.execute("SELECT version, idx, size, digest FROM blocks").fetchall()
-    finally:
-        db.close()
-    names = {p.name: p for p in (cache_dir / "blocks").rglob("*") if p.is_file()}
-    whole = bad = missing = 0
-    for version, idx, size, digest in rows:
-        p = names.pop(f"{version}-{idx}", None)
-        if p is None:
-            missing += 1
-            continue
-        data = p.read_bytes()
-        if len(data) == size and block_digest(data) == digest:
-            whole += 1
-        else:
-            bad += 1
-    tmp = sum(1 for _ in (cache_dir / "tmp").iterdir()) if (cache_dir / "tmp").exists() else 0
-    return {"rows": len(rows), "whole": whole, "bad": bad, "missing": missing,
-            "orphans": len(names), "tmp": tmp}
-
-
-def cached_versions(cache_dir: Path) -> dict[str, int]:
-    """version -> cached bytes, from a spoke's index (readable while the spoke runs: WAL)."""
-    db = sqlite3.connect(f"file:{cache_dir / 'index.sqlite'}?mode=ro", uri=True, timeout=30)
-    try:
-        out: dict[str, int] = {}
-        for version, size in db.execute("SELECT version, size FROM blocks"):
-            out[version] = out.get(version, 0) + size
-        return out
-    finally:
-        db.close()
+def settle_index(lab: Lab, url: str, cache_dir: Path) -> None:
+    """Wait until the spoke's committed index lists every block it holds (it commits in
+    batches, every 50 ms)."""
+    wait_until(lambda: len(blocks_on_disk(cache_dir)) == lab.json(
+        f"{url}/v1/status")["cache"]["blocks"], 10, "the spoke's index to be committed")
 
 
 def _split(paths: list[str], seed: int = 7) -> tuple[list[str], list[str]]:
@@ -814,8 +778,7 @@ def case_spoke_kill(c: Case) -> None:
     wan.set(bandwidth=full)
     m = None
     for line in sp2.output:
-        m = m or re.search(r"cache: (\d+) blocks \((\d+) bytes\) resident; (\d+) orphans "
-                           r"removed, (\d+) rows dropped", line)
+        m = m or re.search(r"cache: (\d+) blocks \((\d+) bytes\) resident", line)
     kept = int(m.group(1)) if m else 0
     c.check(m, "the restarted spoke did not log what it recovered")
     c.check(kept == before["whole"], f"kept {kept} blocks of {before['whole']} whole ones")
@@ -826,7 +789,7 @@ def case_spoke_kill(c: Case) -> None:
     read_all(c, sp2.url, snap, exp)
     sp2.stop()
     final = store_check(lab.root / "cache")
-    c.check(final["bad"] == final["missing"] == final["orphans"] == final["tmp"] == 0,
+    c.check(final["bad"] == final["missing"] == final["orphans"] == 0,
             f"cache folder after a clean stop: {final}")
     c.detail(at_kill=before, kept_blocks=kept,
              kept_fraction=round(kept / before["whole"], 3) if before["whole"] else None,
@@ -974,6 +937,7 @@ def case_source_change(c: Case) -> None:
     # Purge what no current file uses: every block of a version not in the latest snapshot.
     man = lab.get(f"{sp.url}/v1/datasets/{DATASET}/snapshots/{snap2}/manifest")
     current = set(Manifest.decode(man.data).versions)
+    settle_index(lab, sp.url, lab.root / "cache")
     before = cached_versions(lab.root / "cache")
     stale = sum(n for v, n in before.items() if v not in current)
     c.check(stale > 0, "no stale version was cached (the case needs some)")
@@ -1036,7 +1000,7 @@ def case_disk_full(c: Case) -> None:
     read_all(c, sp.url, snap, exp)
     sp.stop()
     final = store_check(cache)
-    c.check(final["bad"] == 0 and final["tmp"] == 0, f"torn or partial blocks: {final}")
+    c.check(final["bad"] == 0, f"torn or partial blocks: {final}")
     # Restart on a volume that is full again: recovery must not need free space.
     filler = cache / "filler"
     subprocess.run(["dd", "if=/dev/zero", f"of={filler}", "bs=64k"], capture_output=True)
@@ -1046,7 +1010,9 @@ def case_disk_full(c: Case) -> None:
 
 
 def case_bit_rot(c: Case) -> None:
-    """Cached block files are damaged in several ways; each is caught, healed and counted."""
+    """Cached blocks are damaged on disk in several ways (a flipped bit, zeros, another block's
+    bytes, a hole, the segment file cut short inside a block); each is caught on its next read,
+    healed and counted."""
     s, lab = c.scale, c.lab
     ds = Dataset(lab.root / "ds", s)
     hub = lab.hub(ds, s)
@@ -1054,33 +1020,38 @@ def case_bit_rot(c: Case) -> None:
     snap = lab.latest(sp.url)
     exp = ds.pin(snap)
     read_all(c, sp.url, snap, exp)
-    files = sorted(p for p in (lab.root / "cache/blocks").rglob("*") if p.is_file()
-                   and p.stat().st_size > 0)
+    wait_until(lambda: sum(b.size for b in blocks_on_disk(lab.root / "cache")) >= ds.total,
+               10, "the spoke's index to list every block read")
+    blocks = [b for b in blocks_on_disk(lab.root / "cache") if b.size]
     rng = random.Random(5)
-    victims = rng.sample(files, min(len(files), 8))
-    kinds = ["flip", "truncate", "append", "zero", "swap", "flip-keep-mtime", "flip", "zero"]
+    victims = rng.sample(blocks, min(len(blocks), 8))
+    # The last block of a segment, for the cut: cutting the file there damages only it.
+    last = max(blocks, key=lambda b: (b.path.name, b.offset))
+    if last not in victims:
+        victims[-1] = last
+    kinds = ["flip", "zero", "swap", "flip-last-byte", "hole", "flip", "zero", "cut"]
     damaged = 0
-    for p, kind in zip(victims, kinds, strict=False):
-        data = bytearray(p.read_bytes())
-        st = p.stat()
-        if kind.startswith("flip"):
-            i = rng.randrange(len(data))
-            with open(p, "r+b") as f:
-                f.seek(i)
-                f.write(bytes([data[i] ^ (1 << rng.randrange(8))]))
-            if kind == "flip-keep-mtime":  # rot that leaves mtime alone (ctime still moves)
-                os.utime(p, ns=(st.st_atime_ns, st.st_mtime_ns))
-        elif kind == "truncate":
-            os.truncate(p, len(data) // 2)
-        elif kind == "append":
-            with open(p, "ab") as f:
-                f.write(b"\0" * 100)
-        elif kind == "zero":
-            with open(p, "r+b") as f:
-                f.write(b"\0" * min(len(data), 4096))
-        elif kind == "swap":  # another block's bytes (whole, plausible, wrong)
-            other = next(q for q in files if q not in victims and q.stat().st_size)
-            p.write_bytes(other.read_bytes()[:len(data)].ljust(len(data), b"\1"))
+    for b, kind in zip(victims, kinds, strict=False):
+        if b is last:
+            kind = "cut"
+        elif kind == "cut":
+            kind = "flip"
+        data = b.read()
+        with open(b.path, "r+b") as f:
+            if kind.startswith("flip"):
+                i = len(data) - 1 if kind == "flip-last-byte" else rng.randrange(len(data))
+                os.pwrite(f.fileno(), bytes([data[i] ^ (1 << rng.randrange(8))]), b.offset + i)
+            elif kind == "zero":
+                os.pwrite(f.fileno(), b"\0" * min(len(data), 4096), b.offset)
+            elif kind == "hole":  # the filesystem lost the block's pages: they read as zeros
+                from spokefs.cache.segments import punch_hole
+                punch_hole(f.fileno(), b.offset, len(data))
+            elif kind == "swap":  # another block's bytes (whole, plausible, wrong)
+                other = next(o for o in blocks if o not in victims)
+                os.pwrite(f.fileno(), other.read()[:len(data)].ljust(len(data), b"\1"),
+                          b.offset)
+            elif kind == "cut":  # the segment file cut short inside the block
+                os.ftruncate(f.fileno(), b.offset + len(data) // 2)
         damaged += len(data)
     c.result.injected = f"{len(victims)} cached blocks damaged"
     fail0 = lab.metric(sp.url, "spokefs_integrity_failures_total")

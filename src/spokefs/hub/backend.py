@@ -1,21 +1,39 @@
-"""The hub's backend: a directory tree published as snapshots (see hub/snapshot.py)."""
+"""The hub's backend: a directory tree published as snapshots (see hub/snapshot.py).
+
+A read costs little per block: the version is a dictionary lookup (``HubState`` keeps what
+reads ask in memory), the file is usually already open (a small cache of open files, each
+checked against the identity it was hashed under on every read), and the bytes go out with
+sendfile. Batch reads (``read_blocks``) serve many blocks per request.
+"""
 
 from __future__ import annotations
 
 import asyncio
 import os
+import time
+from collections import OrderedDict
 from collections.abc import AsyncIterator
 from pathlib import Path
+from typing import BinaryIO
 
 from prometheus_client import CollectorRegistry, Counter
 
-from spokefs.errors import BadRequest, NotFound, VersionGone
-from spokefs.hub.snapshot import HubState
-from spokefs.integrity import DIGEST_SIZE
+from spokefs.errors import BadRequest, NotFound, SpokeError, VersionGone
+from spokefs.hub.snapshot import HubState, StoredFile
+from spokefs.integrity import DIGEST_SIZE, block_count
 from spokefs.manifest import Manifest
-from spokefs.wire.backend import DatasetInfo, FileSegment, ManifestMemo, ReadContext, Segment
+from spokefs.wire.backend import (
+    BlockPart,
+    DatasetInfo,
+    FileSegment,
+    ManifestMemo,
+    ReadContext,
+    Segment,
+)
 
 RESERVED_NAMES = {"v1", "metrics"}
+OPEN_FILES = 1024      # files kept open between reads
+REFRESH_EVERY = 1.0    # seconds between checks for a snapshot made by another process
 
 
 class HubBackend:
@@ -29,15 +47,22 @@ class HubBackend:
         self.registry = CollectorRegistry()
         self._manifests = ManifestMemo()
         self._scan_lock = asyncio.Lock()
+        self._open: OrderedDict[str, tuple[BinaryIO, StoredFile]] = OrderedDict()
+        self._checked: dict[str, float] = {}  # dataset -> when refresh() last ran
         self.gone = Counter("spokefs_hub_versions_gone", "Reads of versions no longer on disk",
                             registry=self.registry)
 
     def _state(self, name: str) -> HubState:
         try:
-            return self.states[name]
+            st = self.states[name]
         except KeyError:
             raise NotFound(f"no dataset {name!r} on this hub "
                            f"(it has: {', '.join(sorted(self.states))})") from None
+        now = time.monotonic()
+        if now - self._checked.get(name, 0.0) > REFRESH_EVERY:
+            self._checked[name] = now
+            st.refresh()  # one cheap pragma; reloads only after an outside scan
+        return st
 
     async def datasets(self) -> list[DatasetInfo]:
         return [await self.dataset(n) for n in sorted(self.states)]
@@ -59,14 +84,56 @@ class HubBackend:
     async def manifest(self, name: str, snap_id: str) -> Manifest:
         return (await self._manifests.get(name, snap_id, self.manifest_blob))[0]
 
-    def _stored(self, name: str, version: str):
-        stored = self._state(name).stored(version)
+    def _stored(self, name: str, version: str) -> StoredFile:
+        st = self._state(name)
+        stored = st.stored(version)
+        if stored is None and st.refresh():  # maybe a snapshot another process just made
+            stored = st.stored(version)
         if stored is None:
             self.gone.inc()
             raise VersionGone(f"version {version} of a file in {name!r} is no longer available "
                               "on the hub (the file changed or was deleted); "
                               "use a newer snapshot")
         return stored
+
+    def _file(self, name: str, version: str) -> tuple[BinaryIO, StoredFile]:
+        """An open file holding ``version``, checked against the identity it was hashed under
+        on every read: the path must still name that inode with that size and mtime (a file
+        rewritten, replaced or deleted: 410, never other bytes). The caller owns the returned
+        file object (a duplicate of the cached descriptor)."""
+        hit = self._open.get(version)
+        if hit is not None:
+            f, stored = hit
+            try:
+                s = os.stat(os.path.join(self.states[name].root, stored.path))
+                same = (s.st_ino, s.st_size, s.st_mtime_ns) == (stored.ino, stored.size,
+                                                                stored.mtime_ns)
+            except OSError:
+                same = False
+            if same:
+                self._open.move_to_end(version)
+                return os.fdopen(os.dup(f.fileno()), "rb", buffering=0), stored
+            del self._open[version]
+            f.close()
+        stored = self._stored(name, version)
+        # No realpath walk: the inode check below already refuses any other file, a symlink
+        # swapped in to point outside the dataset included.
+        try:
+            f = open(os.path.join(self.states[name].root, stored.path), "rb",  # noqa: SIM115
+                     buffering=0)
+        except OSError as exc:
+            self.gone.inc()
+            raise VersionGone(f"{stored.path!r} can no longer be read: {exc.strerror}") from exc
+        s = os.fstat(f.fileno())
+        if (s.st_ino, s.st_size, s.st_mtime_ns) != (stored.ino, stored.size, stored.mtime_ns):
+            f.close()
+            self.gone.inc()
+            raise VersionGone(f"{stored.path!r} changed on the hub since its snapshot; version "
+                              f"{version} is no longer available: use a newer snapshot")
+        self._open[version] = (f, stored)
+        while len(self._open) > OPEN_FILES:
+            self._open.popitem(last=False)[1][0].close()
+        return os.fdopen(os.dup(f.fileno()), "rb", buffering=0), stored
 
     async def object_size(self, name: str, version: str) -> int:
         return self._stored(name, version).size
@@ -77,24 +144,28 @@ class HubBackend:
 
     async def read(self, name: str, version: str, start: int, end: int,
                    ctx: ReadContext | None = None) -> AsyncIterator[Segment]:
-        st = self._state(name)
-        stored = self._stored(name, version)
-        path = os.path.join(st.root, stored.path)
-        real = os.path.realpath(path)
-        if os.path.commonpath([str(st.root), real]) != str(st.root):
-            raise VersionGone(f"{stored.path!r} now points outside the dataset")
-        try:
-            f = open(real, "rb", buffering=0)  # noqa: SIM115 (closed by the sender)
-        except OSError as exc:
-            self.gone.inc()
-            raise VersionGone(f"{stored.path!r} can no longer be read: {exc.strerror}") from exc
-        s = os.fstat(f.fileno())
-        if (s.st_ino, s.st_size, s.st_mtime_ns) != (stored.ino, stored.size, stored.mtime_ns):
-            f.close()
-            self.gone.inc()
-            raise VersionGone(f"{stored.path!r} changed on the hub since its snapshot; version "
-                              f"{version} is no longer available: use a newer snapshot")
+        f, _ = self._file(name, version)
         yield FileSegment(f, start, end - start)
+
+    async def read_blocks(self, name: str, blocks: list[tuple[str, int]]) -> list[BlockPart]:
+        bs = self._state(name).block_size
+        parts: list[BlockPart] = []
+        for version, index in blocks:
+            try:
+                f, stored = self._file(name, version)
+            except SpokeError as exc:
+                parts.append(BlockPart.error(exc))
+                continue
+            if index >= block_count(stored.size, bs):
+                f.close()
+                parts.append(BlockPart.error(BadRequest(
+                    f"block {index} of {version} is past the end ({stored.size} bytes)")))
+                continue
+            start = index * bs
+            parts.append(BlockPart(200, FileSegment(f, start, min(bs, stored.size - start)),
+                                   stored.size,
+                                   stored.digests[index * DIGEST_SIZE:(index + 1) * DIGEST_SIZE]))
+        return parts
 
     async def create_snapshot(self, name: str) -> dict[str, object]:
         st = self._state(name)

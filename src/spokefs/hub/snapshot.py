@@ -95,6 +95,12 @@ class HubState:
         self.block_size = block_size
         self._db: sqlite3.Connection | None = None
         self._lock = threading.RLock()  # scans run in a worker thread; reads in the loop
+        # What reads ask, kept in memory (a read by version is a dict lookup, not SQL):
+        # replaced whole after a scan here, or when another process (``spokefs hub
+        # snapshot``) committed to the state database (``refresh``).
+        self._snaps: list[SnapshotInfo] = []
+        self._by_version: dict[str, StoredFile] = {}
+        self._data_version = -1
 
     # -- lifecycle ---------------------------------------------------------------------------
     def open(self) -> HubState:
@@ -113,6 +119,7 @@ class HubState:
             # Block digests depend on the block size: keep the one the state was built with.
             self.block_size = int(row[0])
         self._db = db
+        self._load()
         return self
 
     def close(self) -> None:
@@ -127,32 +134,43 @@ class HubState:
         return self._db
 
     # -- queries -----------------------------------------------------------------------------
-    def snapshots(self) -> list[SnapshotInfo]:
+    def _load(self) -> None:
         with self._lock:
-            rows = self.db.execute(
-                "SELECT id, seq, created, files, bytes FROM snapshots ORDER BY seq").fetchall()
-        return [SnapshotInfo(*r) for r in rows]
+            version = self.db.execute("PRAGMA data_version").fetchone()[0]
+            snaps = [SnapshotInfo(*r) for r in self.db.execute(
+                "SELECT id, seq, created, files, bytes FROM snapshots ORDER BY seq")]
+            by_version = {r[0]: StoredFile(*r[1:]) for r in self.db.execute(
+                "SELECT version, path, ino, size, mtime_ns, digests FROM files")}
+        self._snaps, self._by_version, self._data_version = snaps, by_version, version
+
+    def refresh(self) -> bool:
+        """Reload what reads use if another process committed a scan; True if it did."""
+        with self._lock:
+            version = self.db.execute("PRAGMA data_version").fetchone()[0]
+        if version == self._data_version:
+            return False
+        self._load()
+        return True
+
+    def snapshots(self) -> list[SnapshotInfo]:
+        return self._snaps
 
     def resolve(self, snap: str) -> SnapshotInfo:
-        with self._lock:
-            if snap == "latest":
-                row = self.db.execute("SELECT id, seq, created, files, bytes FROM snapshots "
-                                      "ORDER BY seq DESC LIMIT 1").fetchone()
-            else:
-                row = self.db.execute("SELECT id, seq, created, files, bytes FROM snapshots "
-                                      "WHERE id=?", (snap,)).fetchone()
-        if row is None:
-            raise NotFound(f"dataset {self.name!r} has no snapshot {snap!r}")
-        return SnapshotInfo(*row)
+        snaps = self._snaps
+        if snap == "latest":
+            if snaps:
+                return snaps[-1]
+        else:
+            for s in snaps:
+                if s.id == snap:
+                    return s
+        raise NotFound(f"dataset {self.name!r} has no snapshot {snap!r}")
 
     def manifest_path(self, snap_id: str) -> Path:
         return self.state_dir / "manifests" / f"{snap_id}.json.gz"
 
     def stored(self, version: str) -> StoredFile | None:
-        with self._lock:
-            row = self.db.execute("SELECT path, ino, size, mtime_ns, digests FROM files "
-                                  "WHERE version=? LIMIT 1", (version,)).fetchone()
-        return None if row is None else StoredFile(*row)
+        return self._by_version.get(version)
 
     # -- scanning ----------------------------------------------------------------------------
     def _walk(self) -> tuple[dict[str, os.stat_result], list[str]]:
@@ -244,7 +262,9 @@ class HubState:
                 raise
             finally:
                 bar.close()
-            return self._record_snapshot(dirs, len(todo), hashed_bytes)
+            result = self._record_snapshot(dirs, len(todo), hashed_bytes)
+            self._load()
+            return result
 
     def _record_snapshot(self, dirs: list[str], n_hashed: int, hashed_bytes: int) -> ScanResult:
         rows = self.db.execute(

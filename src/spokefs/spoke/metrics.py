@@ -33,6 +33,9 @@ class SpokeMetrics:
                                     "writes, 0 while it passes data through", registry=r)
         self.inflight = Gauge("spokefs_upstream_inflight", "Upstream requests in flight",
                               registry=r)
+        self.task_failures = Counter("spokefs_task_failures", "Background tasks that failed "
+                                     "(restarted where they must not stop)", ["task"],
+                                     registry=r)
         self.prefetch_window = Gauge("spokefs_prefetch_window_bytes", "Prefetch bytes let out "
                                      "at once: about twice the link's measured bandwidth x "
                                      "round trip", registry=r)

@@ -1,10 +1,14 @@
 """Carrying out the planner's actions in the spoke (the I/O side of spokefs.planner).
 
-The planner decides (sans-I/O); this driver feeds it events from the service (reads, fetch
-completions, announced orders) with the event loop's clock and executes what comes back:
-fetches through the service's single-flight, priority-limited fetch path, cancels of queued
-prefetches, pins on the eviction policy, the announced future for ``belady``, and persisting
-learned working sets so the next run of a job starts filling before its first read.
+The planner decides (sans-I/O); this driver feeds it events (reads, fetch completions,
+announced orders) with the event loop's clock and executes what comes back. It knows the
+spoke only through what it is given:
+
+- ``fetch(dataset, key, priority)`` / ``cancel(key)``: the spoke's single-flight fetch path
+  (a cancelled or failed fetch comes back as ``fetch_finished(key, False)``);
+- ``cache``: residency, pins, the eviction policy's announced future, small facts to persist
+  (``CacheFacts``, which ``BlockStore`` is);
+- ``latest_manifest(dataset)``: to restore learned working sets at start.
 """
 
 from __future__ import annotations
@@ -12,28 +16,42 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-from collections.abc import Iterable, Sequence
-from typing import TYPE_CHECKING, Any
+from collections.abc import Awaitable, Callable, Iterable, Sequence
+from typing import Any, Protocol
 
 from spokefs import planner as pl
 from spokefs.manifest import Manifest
-from spokefs.policy import BlockKey
-
-if TYPE_CHECKING:
-    from spokefs.spoke.service import SpokeBackend
+from spokefs.policy import BlockKey, EvictionPolicy
 
 log = logging.getLogger(__name__)
 
 _WS_PREFIX = "workingset:"
 
 
+class CacheFacts(Protocol):
+    policy: EvictionPolicy
+
+    def __contains__(self, key: object) -> bool: ...
+    def pin(self, key: BlockKey) -> None: ...
+    def unpin(self, key: BlockKey) -> None: ...
+    def kv_set(self, key: str, value: str) -> None: ...
+    def kv_items(self, prefix: str) -> list[tuple[str, str]]: ...
+
+
 class PrefetchDriver:
-    def __init__(self, backend: SpokeBackend, planner: pl.Planner) -> None:
-        self.backend = backend
+    def __init__(self, planner: pl.Planner, cache: CacheFacts,
+                 fetch: Callable[[str, BlockKey, int], None],
+                 cancel: Callable[[BlockKey], bool],
+                 latest_manifest: Callable[[str], Awaitable[Manifest | None]]) -> None:
         self.planner = planner
+        self.cache = cache
+        self.fetch = fetch
+        self.cancel = cancel
+        self.latest_manifest = latest_manifest
         self._snapshot: dict[str, str] = {}                  # dataset -> snapshot in planner
         self._by_version: dict[str, dict[str, int]] = {}     # dataset -> version -> index
         self._key_dataset: dict[BlockKey, str] = {}          # planner fetches in flight
+        self._later: list[tuple[pl.Event, str | None]] = []
 
     @property
     def loop_time(self) -> float:
@@ -68,9 +86,9 @@ class PrefetchDriver:
         self.act(self.planner.handle(ev), dataset)
 
     def fetch_finished(self, key: BlockKey, resident: bool) -> None:
-        if key not in self._key_dataset:
+        ds = self._key_dataset.pop(key, None)
+        if ds is None:
             return  # a fetch the planner did not ask for
-        ds = self._key_dataset.pop(key)
         now = self.loop_time
         ev = pl.FetchDone(key, now) if resident else pl.FetchFailed(key, now)
         self.act(self.planner.handle(ev), ds)
@@ -89,13 +107,13 @@ class PrefetchDriver:
 
     async def restore(self) -> None:
         """Start filling every working set learned by an earlier run of this spoke."""
-        for key, raw in self.backend.store.kv_items(_WS_PREFIX):
-            ws = json.loads(raw)
+        for key, raw in self.cache.kv_items(_WS_PREFIX):
             try:
-                info = await self.backend.dataset(ws["dataset"])
-                if info.latest is None:
+                ws = json.loads(raw)
+                m = await self.latest_manifest(ws["dataset"])
+                if m is None:
                     continue
-                self.use_manifest(await self.backend.manifest(ws["dataset"], info.latest))
+                self.use_manifest(m)
                 actions = self.planner.restore_working_set(ws)
             except Exception as exc:  # a stale set must not stop the spoke from starting
                 log.warning("cannot restore learned working set %s: %s", key, exc)
@@ -106,39 +124,43 @@ class PrefetchDriver:
 
     # -- actions out -------------------------------------------------------------------------
     def act(self, actions: Iterable[pl.Action], dataset: str | None) -> None:
-        policy: Any = self.backend.store.policy
+        cache = self.cache
         for a in actions:
             if isinstance(a, pl.Fetch):
                 ds = dataset or self._key_dataset.get(a.key)
                 if ds is None:
-                    self._later(pl.FetchFailed(a.key), None)
+                    self._answer(pl.FetchFailed(a.key), None)
                     continue
-                if a.key in self.backend.store:
-                    self._later(pl.FetchDone(a.key), ds)
+                if a.key in cache:
+                    self._answer(pl.FetchDone(a.key), ds)
                     continue
                 self._key_dataset[a.key] = ds
-                self.backend.start_prefetch(ds, a.key, a.priority)
+                self.fetch(ds, a.key, a.priority)
             elif isinstance(a, pl.Cancel):
-                self.backend.cancel_prefetch(a.key)
+                self.cancel(a.key)
             elif isinstance(a, pl.Pin):
-                self.backend.store.pin(a.key)
+                cache.pin(a.key)
             elif isinstance(a, pl.Unpin):
-                self.backend.store.unpin(a.key)
+                cache.unpin(a.key)
             elif isinstance(a, pl.SetFuture):
-                fn = getattr(policy, "extend_future" if a.append else "set_future", None)
+                fn = getattr(cache.policy, "extend_future" if a.append else "set_future", None)
                 if fn is not None:
-                    with self.backend.store.lock:
-                        fn(a.keys, a.stream)  # one stream per job: jobs don't overwrite
+                    fn(a.keys, a.stream)  # one stream per job: jobs don't overwrite
             elif isinstance(a, pl.WorkingSetLearned):
-                self.backend.store.kv_set(f"{_WS_PREFIX}{a.dataset}:{a.job}",
-                                          json.dumps(a.working_set.to_json()))
+                cache.kv_set(f"{_WS_PREFIX}{a.dataset}:{a.job}",
+                             json.dumps(a.working_set.to_json()))
 
-    def _later(self, event: pl.Event, dataset: str | None) -> None:
-        # Answer on the next loop turn, never re-entering the planner from inside handle().
-        def deliver() -> None:
+    def _answer(self, event: pl.Event, dataset: str | None) -> None:
+        # Answered on the next loop turn, never re-entering the planner from inside handle():
+        # queued, and delivered by one callback however many there are.
+        if not self._later:
+            asyncio.get_running_loop().call_soon(self._deliver)
+        self._later.append((event, dataset))
+
+    def _deliver(self) -> None:
+        later, self._later = self._later, []
+        for event, dataset in later:
             self.act(self.planner.handle(event), dataset)
-
-        asyncio.get_running_loop().call_soon(deliver)
 
     def stats(self) -> dict[str, Any]:
         return {"inflight_bytes": self.planner.prefetch_inflight_bytes,

@@ -1,11 +1,11 @@
 """The spoke: a read-through block cache in front of an upstream (a hub or another spoke).
 
-A read of [start, end) of a file version becomes block reads. A resident block is checked
-against its digest and sent from disk with sendfile. A missing block is fetched from upstream
-(one request per block, many in flight, demand before prefetch), checked against the digest
-the upstream sent, persisted, and handed to every reader waiting for it: concurrent readers of
-one missing block share one fetch. Blocks are keyed by (version, index), so a new version of a
-file never mixes with an old one.
+A read of [start, end) of a file version becomes block reads. A resident block's bytes are
+checked against their digests and sent from the segment file's mapping. A missing block is
+fetched (``spoke.fetcher``: one fetch per block, many blocks per request, demand before
+prefetch), checked against the digest the upstream sent, handed to every reader waiting for
+it, and written to the store in the background. Blocks are keyed by (version, index), so a
+new version of a file never mixes with an old one.
 
 When the upstream is unreachable, cached data is still served; an uncached read retries with
 backoff and, after ``deadline`` seconds, fails with UpstreamUnavailable (HTTP 503).
@@ -22,38 +22,40 @@ import logging
 import os
 import threading
 import time
-from collections import OrderedDict
-from collections.abc import AsyncIterator, Coroutine
+from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from prometheus_client import CollectorRegistry
 
-from spokefs.cache.store import BlockStore
+from spokefs.cache.store import BlockStore, read_loc
 from spokefs.errors import (
     BadRequest,
-    IntegrityError,
     NotFound,
+    SpokeError,
+    Transient,
     UpstreamUnavailable,
 )
-from spokefs.integrity import DEFAULT_BLOCK_SIZE, block_count, block_digest, blocks_in_range
+from spokefs.integrity import DEFAULT_BLOCK_SIZE, block_count, blocks_in_range
 from spokefs.linkmodel import LinkModel
 from spokefs.manifest import Manifest
 from spokefs.planner import Planner
 from spokefs.policy import POLICIES, BlockKey, EvictionPolicy, make_policy
 from spokefs.retry import backoff_delays
-from spokefs.spoke.limiter import Grant, PriorityLimiter, Ticket
+from spokefs.spoke.fetcher import Block, Fetcher
 from spokefs.spoke.metrics import SpokeMetrics
 from spokefs.spoke.prefetch import PrefetchDriver
-from spokefs.wire.backend import DatasetInfo, FileSegment, ManifestMemo, ReadContext, Segment
-from spokefs.wire.client import Block, Transient, UpstreamClient
+from spokefs.tasks import Tasks
+from spokefs.wire.backend import BlockPart, DatasetInfo, ManifestMemo, ReadContext, Segment
+from spokefs.wire.client import UpstreamClient
 from spokefs.wire.looplag import LoopLag
 
 log = logging.getLogger(__name__)
 
 DEMAND = 0  # priority of a block a reader is waiting for
 WARM = 1 << 20  # operator warm-up: behind demand and the planner's prefetches
+CHECK_IN_THREAD = 1 << 20  # a read this large is checked off the event loop
 
 
 @dataclass
@@ -81,25 +83,25 @@ class SpokeBackend:
         self.metrics = SpokeMetrics(self.registry)
         self.store = BlockStore(config.cache_dir, config.cache_size,
                                 _policy(config.policy, config.cache_size), fsync=config.fsync)
-        # A connection silent for the deadline is dead (a stalled link would otherwise hold
-        # an upstream slot for the client's 60 s read timeout).
-        self.upstream = UpstreamClient(config.upstream, max_connections=config.max_inflight,
+        # Metadata (dataset info, manifests): small JSON answers, through aiohttp.
+        self.upstream = UpstreamClient(config.upstream, max_connections=8,
                                        request_timeout=config.deadline)
         # What the link needs in flight, measured; prefetch beyond it would only slow readers.
         self.link = LinkModel(max_window=config.prefetch_inflight) if config.pacing else None
-        self.limiter = PriorityLimiter(config.max_inflight, prefetch_window=(
-            self.link.window() if self.link is not None else None))
-        self._inflight: dict[BlockKey, asyncio.Future[Block]] = {}
-        self._tickets: dict[BlockKey, Ticket] = {}
+        self.tasks = Tasks(on_failure=lambda name: self.metrics.task_failures.labels(
+            name).inc())
+        self.fetcher = Fetcher(config.upstream, self.store, self.metrics,
+                               spawn=lambda c: self.tasks.spawn(c, "fetch"),
+                               max_requests=config.max_inflight, deadline=config.deadline,
+                               link=self.link, finished=self._fetch_finished)
+        self.fetcher.expected_size = self._expected_size
         self.prefetch: PrefetchDriver | None = None  # set by start() unless disabled
-        self._digests: OrderedDict[BlockKey, bytes] = OrderedDict()  # of passed-through blocks
         self._datasets: dict[str, tuple[float, DatasetInfo]] = {}
         self._manifests = ManifestMemo()
         # One upstream fetch of a manifest however many ask at once, and one decode for the
         # planner per client that fetched it (see manifest_blob).
         self._blob_loads: dict[tuple[str, str], asyncio.Task[bytes]] = {}
         self._telling: set[tuple[str, str]] = set()
-        self._tasks: set[asyncio.Task[Any]] = set()
         self._sizes: dict[str, int] = {}  # version -> size, in front of the index
         self._just_fetched: set[BlockKey] = set()  # fetched by object_size for a waiting read
         self._last_upstream_error: str | None = None
@@ -107,46 +109,39 @@ class SpokeBackend:
 
     # -- lifecycle ---------------------------------------------------------------------------
     async def start(self) -> None:
-        await asyncio.to_thread(self.store.open)
+        loop = asyncio.get_running_loop()
+        await asyncio.to_thread(self.store.open, loop.call_soon_threadsafe)
         ev = self.store.events
         ev.on_evict = self.metrics.evictions.inc
         ev.on_corrupt = lambda: self.metrics.integrity_failures.labels("cache").inc()
         ev.on_write_error = lambda reason: self.metrics.write_errors.labels(reason).inc()
         self.metrics.cache_capacity.set(self.store.capacity)
-        self.metrics.cache_bytes.set_function(lambda: self.store.used)
+        self.metrics.cache_bytes.set_function(lambda: self.store.data_bytes)
         self.metrics.cache_writable.set_function(lambda: 1 if self.store.writable else 0)
-        self.metrics.inflight.set_function(lambda: self.limiter.active)
+        self.metrics.inflight.set_function(lambda: self.fetcher.queue.active)
         self.metrics.prefetch_window.set_function(
-            lambda: self.limiter.prefetch_window or self.config.prefetch_inflight)
-        self.spawn(self._housekeeping())
-        self.spawn(LoopLag(self.registry).run())
+            lambda: self.fetcher.queue.prefetch_window or self.config.prefetch_inflight)
+        self.tasks.keep(self._housekeeping, "housekeeping")
+        self.tasks.keep(LoopLag(self.registry).run, "loop-lag")
         if self.config.prefetch:
             planner = Planner(capacity=self.store.capacity,
                               max_inflight_bytes=self.config.prefetch_inflight,
                               readahead_max_bytes=self.config.readahead_max,
                               resident=self.store)
-            self.prefetch = PrefetchDriver(self, planner)
-            self.spawn(self.prefetch.restore())
+            self.prefetch = PrefetchDriver(planner, self.store, self._prefetch,
+                                           self.fetcher.cancel, self._latest_manifest)
+            self.tasks.spawn(self.prefetch.restore(), "restore-working-sets")
 
     async def close(self) -> None:
-        tasks = list(self._tasks)
-        for t in tasks:
-            t.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
+        await self.tasks.close()
+        await self.fetcher.close()
         await self.upstream.close()
         await asyncio.to_thread(self.store.close)
-
-    def spawn(self, coro: Coroutine[Any, Any, Any]) -> asyncio.Task[Any]:
-        """Every background task is owned here and cancelled and awaited on close."""
-        task = asyncio.get_running_loop().create_task(coro)
-        self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)
-        return task
 
     async def _housekeeping(self) -> None:
         while True:
             await asyncio.sleep(5.0)
-            await asyncio.to_thread(self.store.flush_access_times)
+            self.store.flush_access_times()
             self.store.retry_writable()
 
     # -- metadata ----------------------------------------------------------------------------
@@ -184,6 +179,7 @@ class SpokeBackend:
             stale = cached[1] if cached else self._persisted_dataset(name)
             if stale is not None:
                 log.warning("upstream down (%s); using the last known state of %r", exc, name)
+                self._datasets[name] = (now, stale)  # ask again after the ttl, not per read
                 return stale
             raise UpstreamUnavailable(
                 f"upstream {self.config.upstream} is unreachable and dataset {name!r} was "
@@ -232,7 +228,8 @@ class SpokeBackend:
             # another until the first was decoded -- a mount's start fetched a 113 KB
             # manifest 30-64 times over the link, 3.5-8 MB on 30-64 new connections.)
             self._telling.add(key)
-            self.spawn(self.manifest(name, snap_id)).add_done_callback(
+            self.tasks.spawn(self.manifest(name, snap_id), "decode-manifest",
+                             quiet=(SpokeError,)).add_done_callback(
                 lambda _t: self._telling.discard(key))
         return await self._manifest_blob(name, snap_id)
 
@@ -241,7 +238,8 @@ class SpokeBackend:
         key = (name, snap_id)
         load = self._blob_loads.get(key)
         if load is None:
-            load = self._blob_loads[key] = self.spawn(self._load_manifest_blob(name, snap_id))
+            load = self._blob_loads[key] = self.tasks.spawn(
+                self._load_manifest_blob(name, snap_id), "load-manifest", quiet=(SpokeError,))
             load.add_done_callback(lambda _t: self._blob_loads.pop(key, None))
         return await asyncio.shield(load)
 
@@ -273,6 +271,10 @@ class SpokeBackend:
             self.prefetch.use_manifest(m)
         return m
 
+    async def _latest_manifest(self, name: str) -> Manifest | None:
+        info = await self.dataset(name)
+        return None if info.latest is None else await self.manifest(name, info.latest)
+
     async def create_snapshot(self, name: str) -> dict[str, object]:
         # Snapshots are the hub's to make; forward, so `spokefs` commands work via a spoke.
         doc = await self.upstream.post_json(f"/v1/datasets/{name}/snapshots", {})
@@ -286,8 +288,9 @@ class SpokeBackend:
             size = self.store.object_size(version)
         if size is None:
             # Learn the size from the first block, which the reader almost always needs.
-            block = await self._block(name, version, 0, DEMAND)
-            size = block.size
+            block = await self._wait_fetch(self.fetcher.want(name, (version, 0), DEMAND),
+                                           f"block 0 of {version} ({name})")
+            size = block.object_size
             self._just_fetched.add((version, 0))  # so the read that follows counts a miss
         self._sizes[version] = size
         if len(self._sizes) > 100_000:
@@ -296,11 +299,15 @@ class SpokeBackend:
 
     async def block_digest(self, name: str, version: str, index: int) -> bytes | None:
         key = (version, index)
-        rec = self.store.get(key)
-        return rec.digest if rec is not None else self._digests.get(key)
+        loc = self.store.get(key)
+        if loc is not None:
+            return loc.digest
+        block = self.fetcher.recent(key)
+        return block.digest if block is not None else self.fetcher.passed.get(key)
 
     async def read(self, name: str, version: str, start: int, end: int,
                    ctx: ReadContext | None = None) -> AsyncIterator[Segment]:
+        """The bytes of [start, end), block by block, each checked against its digests."""
         bs = (await self.dataset(name)).block_size
         indexes = blocks_in_range(start, end, bs)
         if self.prefetch is not None:
@@ -310,34 +317,87 @@ class SpokeBackend:
             if known is not None and known[1] is not None:
                 self.prefetch.on_read(name, known[0], version, known[1], start, end,
                                       ctx.reader, ctx.job)
+        store, fetcher, metrics = self.store, self.fetcher, self.metrics
         # Start every missing block now (the whole range is wanted), then send in order.
-        pending = {i: self._start_fetch(name, version, i, DEMAND) for i in indexes
-                   if (version, i) not in self.store}
+        pending = {i: fetcher.want(name, (version, i), DEMAND) for i in indexes
+                   if (version, i) not in store and fetcher.recent((version, i)) is None}
         for i in indexes:
+            key = (version, i)
             lo = max(start, i * bs) - i * bs
             hi = min(end, (i + 1) * bs) - i * bs
             fut = pending.get(i)
             if fut is None:
-                f = self.store.open_verified((version, i))
-                if f is not None:
-                    if (version, i) in self._just_fetched:
-                        self._just_fetched.discard((version, i))
-                        self.metrics.misses.inc()
+                view = await self._resident(key, lo, hi)
+                if view is not None:
+                    if key in self._just_fetched:
+                        self._just_fetched.discard(key)
+                        metrics.misses.inc()
                     else:
-                        self.metrics.hits.inc()
-                    yield FileSegment(f, lo, hi - lo)
+                        metrics.hits.inc()
+                    yield view
                     continue
-                fut = self._start_fetch(name, version, i, DEMAND)  # evicted or corrupt
-            self.metrics.misses.inc()
-            self._just_fetched.discard((version, i))
+                block = fetcher.recent(key)
+                if block is not None:
+                    metrics.hits.inc()
+                    yield block.view[lo:hi]
+                    continue
+                fut = fetcher.want(name, key, DEMAND)  # evicted or damaged meanwhile
+            metrics.misses.inc()
+            self._just_fetched.discard(key)
             # An error after the first block reaches the reader as a cut connection
             # (wire.server.send_segments), never as an error written into the body.
             block = await self._wait_fetch(fut, f"block {i} of {version} ({name})")
-            yield memoryview(block.data)[lo:hi]
+            yield block.view[lo:hi]
 
-    async def _block(self, name: str, version: str, index: int, priority: int) -> Block:
-        return await self._wait_fetch(self._start_fetch(name, version, index, priority),
-                                      f"block {index} of {version} ({name})")
+    async def _resident(self, key: BlockKey, lo: int, hi: int) -> memoryview | None:
+        """Checked bytes of a resident block, in a buffer of their own (None: not resident,
+        or damaged and dropped). A large range is read and checked in a thread; if the block
+        left the cache meanwhile, a failed check is that, not damage."""
+        if hi - lo < CHECK_IN_THREAD:
+            return self.store.read(key, lo, hi)
+        loc = self.store.get(key)
+        if loc is None:
+            return None
+        data = await asyncio.to_thread(read_loc, loc, lo, hi, self.store.chunk_size)
+        if data is None:
+            self.store.corrupt(key, loc)  # a no-op if it was evicted meanwhile
+            return None
+        self.store.touch(key)
+        return data
+
+    async def read_blocks(self, name: str, blocks: list[tuple[str, int]]) -> list[BlockPart]:
+        """Whole blocks for a downstream spoke (a batch read): fetched first where missing."""
+        futs = {key: self.fetcher.want(name, key, DEMAND) for key in blocks
+                if key not in self.store and self.fetcher.recent(key) is None}
+        parts = []
+        for key in blocks:
+            try:
+                parts.append(await self._whole_block(name, key, futs.get(key)))
+            except SpokeError as exc:
+                parts.append(BlockPart.error(exc))
+        return parts
+
+    async def _whole_block(self, name: str, key: BlockKey,
+                           fut: asyncio.Future[Block] | None) -> BlockPart:
+        what = f"block {key[1]} of {key[0]} ({name})"
+        for _ in range(3):
+            if fut is None:
+                loc = self.store.get(key)
+                if loc is not None:
+                    view = await self._resident(key, 0, loc.size)
+                    if view is not None:
+                        self.metrics.hits.inc()
+                        size = self.store.object_size(key[0]) or 0
+                        return BlockPart(200, view, size, loc.digest)
+                block = self.fetcher.recent(key)
+                if block is not None:
+                    self.metrics.hits.inc()
+                    return BlockPart(200, block.view, block.object_size, block.digest)
+                fut = self.fetcher.want(name, key, DEMAND)
+            self.metrics.misses.inc()
+            block = await self._wait_fetch(fut, what)
+            return BlockPart(200, block.view, block.object_size, block.digest)
+        raise UpstreamUnavailable(f"{what} kept leaving the cache", self.config.upstream, "")
 
     async def _wait_fetch(self, fut: asyncio.Future[Block], what: str) -> Block:
         """Wait for a fetch, but not past the deadline of upstream silence: a reader queued
@@ -346,10 +406,10 @@ class SpokeBackend:
         link keeps sending, so it only makes readers slower."""
         began = time.monotonic()
         while True:
-            silent_since = max(began, self.upstream.last_received)
+            silent_since = max(began, self.fetcher.client.last_received)
             left = silent_since + self.config.deadline - time.monotonic()
             if left <= 0:
-                cause = self._last_upstream_error or "no answer (connections stalled)"
+                cause = self.fetcher.last_error or "no answer (connections stalled)"
                 raise UpstreamUnavailable(
                     f"upstream {self.config.upstream} sent nothing for "
                     f"{self.config.deadline:g}s while waiting for {what}: {cause}",
@@ -360,96 +420,18 @@ class SpokeBackend:
                 if fut.done():
                     raise  # the fetch's own error, not our wait
 
-    def _start_fetch(self, name: str, version: str, index: int,
-                     priority: int) -> asyncio.Future[Block]:
-        """The one fetch of a block (single-flight); a reader joining a queued prefetch
-        raises its priority."""
-        key = (version, index)
-        fut = self._inflight.get(key)
-        if fut is None:
-            ticket = Ticket()
-            ticket.priority = priority
-            fut = self.spawn(self._fetch(name, version, index, priority, ticket))
-            self._inflight[key] = fut
-            self._tickets[key] = ticket
-            fut.add_done_callback(lambda _f: self._fetch_finished(key, _f))
-        else:
-            self._tickets[key].raise_to(priority)
-        return fut
+    def _prefetch(self, name: str, key: BlockKey, priority: int) -> None:
+        self.fetcher.want(name, key, priority)
 
-    def _fetch_finished(self, key: BlockKey, fut: asyncio.Future[Block]) -> None:
-        self._inflight.pop(key, None)
-        self._tickets.pop(key, None)
-        if not fut.cancelled():
-            fut.exception()  # retrieved: a failed prefetch nobody awaited is not an error
+    def _fetch_finished(self, key: BlockKey, resident: bool) -> None:
         if self.prefetch is not None:
-            self.prefetch.fetch_finished(key, key in self.store)
+            self.prefetch.fetch_finished(key, resident)
 
-    def start_prefetch(self, name: str, key: BlockKey, priority: int) -> None:
-        self._start_fetch(name, key[0], key[1], priority)
-
-    def cancel_prefetch(self, key: BlockKey) -> None:
-        """Drop a prefetch that has not started yet (a started one runs to completion)."""
-        fut, ticket = self._inflight.get(key), self._tickets.get(key)
-        if fut is not None and ticket is not None and ticket.priority != DEMAND and (
-                ticket.future is not None and not ticket.future.done()):
-            fut.cancel()
-
-    async def _fetch(self, name: str, version: str, index: int, priority: int,
-                     ticket: Ticket) -> Block:
-        bs = (await self.dataset(name)).block_size
-        key = (version, index)
-        what = f"block {index} of {version} ({name})"
-        for attempt in range(3):
-            async with self.limiter.slot(priority, ticket, self._expected_size(
-                    name, version, index, bs)) as grant:
-                priority = ticket.priority
-                t0 = time.monotonic()
-                block = await self._retrying(what, self._read_range, name, version,
-                                             index * bs, (index + 1) * bs, grant)
-                self.metrics.fetch_seconds.observe(time.monotonic() - t0)
-            self.metrics.upstream_bytes.labels("demand" if ticket.priority == DEMAND else
-                                               "prefetch").inc(len(block.data))
-            if block.digest is None:
-                raise IntegrityError(f"upstream sent {what} without a digest; cannot verify")
-            if block_digest(block.data) == block.digest:
-                break
-            self.metrics.integrity_failures.labels("upstream").inc()
-            log.warning("%s from upstream failed its digest check (attempt %d)", what,
-                        attempt + 1)
-        else:
-            raise IntegrityError(f"{what} failed its digest check 3 times; the upstream's copy "
-                                 "may be changing or damaged")
-        if self.store.object_size(version) is None:
-            self.store.set_object_size(version, block.size)
-        stored = await asyncio.to_thread(self.store.put, key, block.data, block.digest, name)
-        if not stored:
-            self.metrics.passthrough_bytes.inc(len(block.data))
-            self._digests[key] = block.digest
-            while len(self._digests) > 4096:
-                self._digests.popitem(last=False)
-        return block
-
-    async def _read_range(self, name: str, version: str, start: int, end: int,
-                          grant: Grant) -> Block:
-        """One upstream request, timed for the link model, which sets the prefetch window;
-        its bytes leave the window as they arrive."""
-        link, limiter = self.link, self.limiter
-        if link is None:
-            return await self.upstream.read_range(name, version, start, end)
-
-        def arrived(nbytes: int) -> None:
-            link.received(nbytes)
-            limiter.received(grant, nbytes)
-
-        sent = link.sent(time.monotonic(), app_limited=not limiter.held_back)
-        block = await self.upstream.read_range(name, version, start, end, arrived)
-        link.delivered(sent, 0, time.monotonic(), block.first_byte)
-        limiter.set_prefetch_window(link.window())
-        return block
-
-    def _expected_size(self, name: str, version: str, index: int, bs: int) -> int:
+    def _expected_size(self, name: str, key: BlockKey) -> int:
         """Bytes a fetch of this block will bring (the block size when the file is unknown)."""
+        version, index = key
+        cached = self._datasets.get(name)
+        bs = cached[1].block_size if cached is not None else DEFAULT_BLOCK_SIZE
         size = self._sizes.get(version) or self.store.object_size(version)
         if size is None and self.prefetch is not None:
             known = self.prefetch.path_of(name, version)
@@ -466,38 +448,44 @@ class SpokeBackend:
             for k in keys:
                 self.store.pin(k)
         todo = [k for k in keys if k not in self.store]
-        self.spawn(self._warm(m.dataset, todo))
+        self.tasks.spawn(self._warm(m.dataset, todo), "warm")
         return {"files": len(files), "blocks": len(keys), "bytes": sum(m.sizes[i] for i in files),
                 "blocks_to_fetch": len(todo)}
 
     async def _warm(self, name: str, keys: list[BlockKey]) -> None:
-        # A bounded window of fetches at a time: a million blocks is not a million tasks.
-        window = asyncio.Semaphore(2 * self.config.max_inflight)
+        # A bounded window of fetches queued at a time: a million blocks is not a million
+        # futures; enough that batches stay full.
+        window = asyncio.Semaphore(max(1024, 4 * self.config.max_inflight))
+        failed = 0
 
-        async def one(key: BlockKey) -> None:
-            try:
-                await asyncio.shield(self._start_fetch(name, key[0], key[1], WARM))
-            except Exception as exc:
-                log.warning("warm: block %s-%d not fetched: %s", key[0], key[1], exc)
-            finally:
+        def done(fut: asyncio.Future[Block]) -> None:
+            nonlocal failed
+            window.release()
+            if not fut.cancelled() and fut.exception() is not None:
+                failed += 1
+                if failed <= 3:
+                    log.warning("warm: a block of %s was not fetched: %s", name,
+                                fut.exception())
+
+        for key in keys:
+            await window.acquire()
+            if key in self.store:
                 window.release()
-
-        async with asyncio.TaskGroup() as tg:
-            for key in keys:
-                await window.acquire()
-                if key in self.store:
-                    window.release()
-                    continue
-                tg.create_task(one(key))
+                continue
+            self.fetcher.want(name, key, WARM).add_done_callback(done)
+        if failed:
+            log.warning("warm: %d blocks of %s were not fetched", failed, name)
 
     def residency(self, m: Manifest, files: list[int]) -> dict[str, object]:
         bs = m.block_size
         total = resident = full = 0
+        store = self.store
         for i in files:
             size = m.sizes[i]
             total += size
+            v = m.versions[i]
             have = sum(min(bs, size - b * bs) for b in range(block_count(size, bs))
-                       if (m.versions[i], b) in self.store)
+                       if (v, b) in store)
             resident += have
             full += have == size
         return {"files": len(files), "bytes": total, "resident_bytes": resident,
@@ -507,33 +495,42 @@ class SpokeBackend:
         """Drop cached blocks: all, a dataset's, or (``keep``: snapshot ids or "latest") a
         dataset's blocks of file versions in none of those snapshots -- what a source change
         left behind (rewritten or deleted files), without touching the current ones."""
-        if keep is None:
-            return await asyncio.to_thread(self.store.purge, name)
-        if name is None:
-            raise BadRequest("purging by kept snapshots needs a dataset")
         versions: set[str] = set()
-        for snap in keep:
-            versions.update((await self.manifest(name, await self.resolve(name, snap))).versions)
-        return await asyncio.to_thread(self.store.purge, name, versions)
+        if keep is not None:
+            if name is None:
+                raise BadRequest("purging by kept snapshots needs a dataset")
+            for snap in keep:
+                m = await self.manifest(name, await self.resolve(name, snap))
+                versions.update(m.versions)
+        keys = self.store.purge_keys(name, versions)
+        freed = 0
+        for n, key in enumerate(keys):
+            freed += self.store.size_of(key)
+            self.store.drop(key, "purge")
+            if n % 2000 == 1999:
+                await asyncio.sleep(0)  # a big purge must not stop every reader meanwhile
+        # Done means done: the space is free and the index says so when this returns.
+        await asyncio.to_thread(self.store.worker.flush)
+        return freed
 
     # -- operator view -----------------------------------------------------------------------
     async def status(self) -> dict[str, object]:
         m = self.metrics
         hits, misses = m.hits._value.get(), m.misses._value.get()
+        q = self.fetcher.queue
         return {
             "role": self.role, "upstream": self.config.upstream,
-            "upstream_error": self._last_upstream_error,
+            "upstream_error": self.fetcher.last_error or self._last_upstream_error,
             "uptime_s": round(time.time() - self.started, 1),
             "cache": self.store.stats(),
             "hits": hits, "misses": misses,
             "hit_ratio": hits / (hits + misses) if hits + misses else None,
-            "inflight": self.limiter.active, "queued": self.limiter.queued,
-            "inflight_bytes": self.limiter.inflight_bytes,
+            "inflight": q.active, "queued": q.queued,
+            "inflight_bytes": q.inflight_bytes,
             "link": self.link.stats() if self.link is not None else None,
             "deadline_s": self.config.deadline,
             "prefetch": self.prefetch.stats() if self.prefetch is not None else None,
         }
-
 
 
 def _policy(name: str, capacity: int) -> EvictionPolicy:

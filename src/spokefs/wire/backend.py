@@ -8,6 +8,7 @@ That is why a spoke is a valid upstream for a mount, another spoke, rclone or cu
 from __future__ import annotations
 
 import asyncio
+import json
 from collections import OrderedDict
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
@@ -15,6 +16,7 @@ from typing import BinaryIO, Protocol
 
 from prometheus_client import CollectorRegistry
 
+from spokefs.errors import SpokeError
 from spokefs.manifest import Manifest
 
 
@@ -32,16 +34,45 @@ class DatasetInfo:
 
 @dataclass(slots=True)
 class FileSegment:
-    """Bytes [offset, offset+count) of an open file; the server sends them with sendfile and
-    closes the file. Opening before sending keeps the bytes readable even if the path is
-    unlinked (evicted) meanwhile."""
+    """Bytes [offset, offset+count) of an open file; the server sends them with sendfile,
+    then closes the file if ``owned`` and calls ``done`` if set (a lease ends). Opening
+    before sending keeps the bytes readable even if the path is unlinked meanwhile."""
 
     file: BinaryIO
     offset: int
     count: int
+    owned: bool = True
+    done: Callable[[], None] | None = None
+
+    def release(self) -> None:
+        if self.owned:
+            self.file.close()
+        if self.done is not None:
+            done, self.done = self.done, None
+            done()
 
 
 Segment = FileSegment | bytes | memoryview
+
+
+@dataclass(slots=True)
+class BlockPart:
+    """One block of a batch read (``wire.frames``): its bytes, or the error that took them.
+    ``payload`` is the block (status 200) or a JSON error body."""
+
+    status: int
+    payload: Segment
+    object_size: int = 0
+    digest: bytes = bytes(16)
+
+    @property
+    def length(self) -> int:
+        p = self.payload
+        return p.count if isinstance(p, FileSegment) else len(p)
+
+    @classmethod
+    def error(cls, exc: SpokeError) -> BlockPart:
+        return cls(exc.status, json.dumps(exc.to_json()).encode())
 
 
 @dataclass(frozen=True, slots=True)
@@ -68,6 +99,8 @@ class Backend(Protocol):
     async def block_digest(self, name: str, version: str, index: int) -> bytes | None: ...
     def read(self, name: str, version: str, start: int, end: int,
              ctx: ReadContext | None = None) -> AsyncIterator[Segment]: ...
+    async def read_blocks(self, name: str, blocks: list[tuple[str, int]]
+                          ) -> list[BlockPart]: ...  # whole blocks, a part per (version, idx)
     async def create_snapshot(self, name: str) -> dict[str, object]: ...
     async def status(self) -> dict[str, object]: ...
 

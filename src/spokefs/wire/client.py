@@ -17,13 +17,9 @@ from dataclasses import dataclass
 
 import aiohttp
 
-from spokefs.errors import from_status
+from spokefs.errors import Transient, from_status
 from spokefs.manifest import Manifest
 from spokefs.wire.server import H_BLOCK_SIZE, H_DIGEST
-
-
-class Transient(Exception):
-    """A failure worth retrying: the upstream may answer later."""
 
 
 @dataclass(frozen=True, slots=True)

@@ -12,7 +12,9 @@ from __future__ import annotations
 
 import asyncio
 import html
+import json
 import logging
+import os
 import time
 from collections.abc import AsyncIterator, Callable
 from email.utils import formatdate
@@ -23,13 +25,19 @@ from prometheus_client import CONTENT_TYPE_LATEST, Counter, generate_latest
 
 from spokefs.errors import BadRequest, NotFound, RangeNotSatisfiable, SpokeError
 from spokefs.manifest import FileEntry
-from spokefs.wire.backend import Backend, FileSegment, ReadContext, Segment
+from spokefs.wire.backend import Backend, BlockPart, FileSegment, ReadContext, Segment
+from spokefs.wire.frames import HEADER_SIZE, encode_header
 from spokefs.wire.paths import check_dataset_name, clean_path, split_dataset_ref
 from spokefs.wire.ranges import parse_range
 
 log = logging.getLogger(__name__)
 
 MANIFEST_TYPE = "application/vnd.spokefs.manifest+json"
+BLOCKS_TYPE = "application/vnd.spokefs.blocks"
+MAX_BATCH = 4096             # blocks in one batch read
+_COALESCE = 1 << 20          # small frames are gathered into writes of about this size
+_SMALL_PAYLOAD = 256 * 1024  # a file payload up to this is read and gathered, not sendfile'd
+_GATHER = 1 << 20            # a read up to this is answered in one piece
 H_BLOCK_SIZE = "X-Spokefs-Block-Size"
 H_DIGEST = "X-Spokefs-Block-Digest"  # hex xxh3-128 of the block, on single-block reads
 H_VERSION = "X-Spokefs-Version"
@@ -70,17 +78,21 @@ async def send_segments(request: web.Request, segments: AsyncIterator[Segment],
     seg = first
     try:
         while seg is not None:
-            if isinstance(seg, FileSegment):
+            if isinstance(seg, FileSegment) and seg.count <= _SMALL_PAYLOAD:
+                try:  # a copy costs less than the sendfile dance for a small piece
+                    await resp.write(os.pread(seg.file.fileno(), seg.count, seg.offset))
+                finally:
+                    seg.release()
+            elif isinstance(seg, FileSegment):
                 try:
                     transport = request.transport
                     if transport is None:
                         raise ConnectionResetError("client went away")
                     await loop.sendfile(transport, seg.file, seg.offset, seg.count)
                 except NotImplementedError:
-                    seg.file.seek(seg.offset)
-                    await resp.write(seg.file.read(seg.count))
+                    await resp.write(os.pread(seg.file.fileno(), seg.count, seg.offset))
                 finally:
-                    seg.file.close()
+                    seg.release()
             else:
                 await resp.write(seg)
             try:
@@ -92,10 +104,111 @@ async def send_segments(request: web.Request, segments: AsyncIterator[Segment],
                 raise ConnectionAbortedError(f"read failed mid-response: {exc}") from exc
     finally:
         if seg is not None and isinstance(seg, FileSegment):
-            seg.file.close()
+            seg.release()
         await segments.aclose()  # type: ignore[attr-defined]
     await resp.write_eof()
     return resp
+
+
+async def send_frames(request: web.Request, resp: web.StreamResponse,
+                      parts: list[BlockPart]) -> None:
+    """Write a batch body (``wire.frames``): small payloads are gathered with their headers
+    into large writes; a large file payload goes out with sendfile after its header."""
+    loop = asyncio.get_running_loop()
+    chunk = bytearray()
+    try:
+        for seq, part in enumerate(parts):
+            payload = part.payload
+            chunk += encode_header(seq, part.status, part.length, part.object_size, part.digest)
+            if isinstance(payload, FileSegment):
+                if payload.count <= _SMALL_PAYLOAD:
+                    at = len(chunk)
+                    chunk.extend(bytes(payload.count))
+                    with memoryview(chunk) as view:
+                        got = os.preadv(payload.file.fileno(), [view[at:]], payload.offset)
+                    payload.release()
+                    if got != payload.count:
+                        raise ConnectionAbortedError(f"block file shrank: {got} of "
+                                                     f"{payload.count} bytes")
+                else:
+                    await resp.write(chunk)
+                    chunk = bytearray()
+                    transport = request.transport
+                    if transport is None:
+                        raise ConnectionResetError("client went away")
+                    try:
+                        await loop.sendfile(transport, payload.file, payload.offset,
+                                            payload.count)
+                    finally:
+                        payload.release()
+            else:
+                chunk += payload
+            if len(chunk) >= _COALESCE:
+                await resp.write(chunk)
+                chunk = bytearray()  # fresh: the transport may still hold the last one
+        if chunk:
+            await resp.write(chunk)
+    finally:
+        for part in parts:  # what an error or a gone client left unsent
+            if isinstance(part.payload, FileSegment):
+                part.payload.release()
+    await resp.write_eof()
+
+
+async def gather(segments: AsyncIterator[Segment], n: int) -> bytes | bytearray:
+    """Every byte of a read, in one buffer. Each segment is copied as it comes, before the
+    next is awaited (a view of the cache is valid only until then)."""
+    first = await anext(segments, None)  # type: ignore[call-overload]
+    if first is None:
+        return b""
+    if not isinstance(first, FileSegment) and len(first) == n:
+        # The whole read in one piece: send its own buffer if it is all of one, else a copy.
+        whole = first.obj if isinstance(first, memoryview) else first
+        data = whole if isinstance(whole, bytes | bytearray) and len(whole) == n else bytes(first)
+        async for _ in segments:
+            raise ConnectionAbortedError(f"read produced more than {n} bytes")
+        return data
+    out = bytearray(n)
+    with memoryview(out) as view:
+        pos = _copy_into(view, first)
+        async for seg in segments:
+            pos += _copy_into(view[pos:], seg)
+    if pos != n:
+        raise ConnectionAbortedError(f"read produced {pos} of {n} bytes")
+    return out
+
+
+def _copy_into(view: memoryview, seg: Segment) -> int:
+    if isinstance(seg, FileSegment):
+        try:
+            got = os.preadv(seg.file.fileno(), [view[:seg.count]], seg.offset)
+        finally:
+            seg.release()
+        if got != seg.count:
+            raise ConnectionAbortedError(f"file shrank: {got} of {seg.count} bytes")
+        return got
+    view[:len(seg)] = seg
+    return len(seg)
+
+
+def parse_block_list(doc: object) -> list[tuple[str, int]]:
+    """``{"blocks": [[version, index], ...]}`` of a batch read, checked."""
+    blocks = doc.get("blocks") if isinstance(doc, dict) else None
+    if not isinstance(blocks, list) or not blocks:
+        raise BadRequest('a batch read needs {"blocks": [[version, index], ...]}')
+    if len(blocks) > MAX_BATCH:
+        raise BadRequest(f"a batch read asks for at most {MAX_BATCH} blocks, not {len(blocks)}")
+    out = []
+    for b in blocks:
+        if (not isinstance(b, list) or len(b) != 2 or not isinstance(b[0], str)
+                or not check_version(b[0]) or type(b[1]) is not int or b[1] < 0):
+            raise BadRequest(f"bad block {str(b)[:100]}: expected [version id, index >= 0]")
+        out.append((b[0], b[1]))
+    return out
+
+
+def check_version(version: str) -> bool:
+    return 0 < len(version) <= 64 and version.isascii() and version.isalnum()
 
 
 class Api:
@@ -119,6 +232,7 @@ class Api:
             web.get("/v1/datasets/{ds}/snapshots/{snap}/manifest", self.get_manifest),
             web.get("/v1/datasets/{ds}/snapshots/{snap}/entries/{path:.*}", self.get_entry),
             web.get("/v1/datasets/{ds}/objects/{version}", self.get_object),  # GET and HEAD
+            web.post("/v1/datasets/{ds}/blocks", self.read_blocks),
             web.get("/", self.root_index),
             web.get("/{ref}", self.plain_redirect),
             web.get("/{ref}/{path:.*}", self.plain_read),
@@ -182,9 +296,29 @@ class Api:
     async def get_object(self, request: web.Request) -> web.StreamResponse:
         ds = check_dataset_name(request.match_info["ds"])
         version = request.match_info["version"]
-        if not version.isalnum() or len(version) > 64:
+        if not check_version(version):
             raise BadRequest(f"invalid version id {version!r}")
         return await self._serve(request, ds, version, extra_headers={H_VERSION: version})
+
+    async def read_blocks(self, request: web.Request) -> web.StreamResponse:
+        """Many whole blocks in one response, each framed with its digest (docs/protocol.md,
+        "Batch reads"); a block that cannot be read is an error frame, not a failed batch."""
+        ds = check_dataset_name(request.match_info["ds"])
+        raw = await request.content.read(1 << 20 + 1)
+        if len(raw) > 1 << 20:
+            raise BadRequest("a batch read's body is at most 1 MiB")
+        try:
+            doc = json.loads(raw)
+        except ValueError as exc:
+            raise BadRequest(f"a batch read's body is not JSON: {exc}") from exc
+        parts = await self.backend.read_blocks(ds, parse_block_list(doc))
+        resp = web.StreamResponse(status=200, headers={"Content-Type": BLOCKS_TYPE})
+        resp.content_length = sum(HEADER_SIZE + p.length for p in parts)
+        await resp.prepare(request)
+        await send_frames(request, resp, parts)
+        self.bytes_served.inc(sum(p.length for p in parts if p.status == 200))
+        self.requests.labels("blocks", "200").inc()
+        return resp
 
     # -- byte ranges -------------------------------------------------------------------------
     async def _serve(self, request: web.Request, ds: str, version: str,
@@ -218,9 +352,20 @@ class Api:
                           request.headers.get(H_READER, "") or _peer(request),
                           request.headers.get(H_JOB, ""))
         segments = self.backend.read(ds, version, start, end, ctx)
+        if end - start <= _GATHER:
+            # Small: gather every byte first (an upstream failure is still a clean 503), then
+            # one response, headers and body in one write.
+            body = await gather(segments, end - start)
+            if start % bs == 0 and (end == size or end - start == bs):
+                digest = await self.backend.block_digest(ds, version, start // bs)
+                if digest is not None:
+                    headers[H_DIGEST] = digest.hex()
+            self.bytes_served.inc(end - start)
+            self.requests.labels("object", str(status)).inc()
+            return web.Response(status=status, headers=headers, body=body)
         # Await the first bytes before sending headers: an upstream failure can still be a 503.
         first = await anext(segments)  # type: ignore[call-overload]
-        if start % bs == 0 and (end == size or end - start == bs) and end - start <= bs:
+        if start % bs == 0 and end - start == bs:
             digest = await self.backend.block_digest(ds, version, start // bs)
             if digest is not None:
                 resp.headers[H_DIGEST] = digest.hex()

@@ -1,0 +1,213 @@
+"""Segment files: where the spoke's cached blocks live on disk.
+
+Blocks are appended to segment files (``segments/<id>.seg``), each starting on a 4 KiB
+boundary, so a block costs no file of its own: no create, rename or unlink per block, and a
+directory of a few thousand files for a multi-terabyte cache. A read is one ``pread`` into
+the reader's own buffer, checked there: what was checked is exactly what is served, whatever
+happens to the file meanwhile (a mapping would crash the process with SIGBUS on a file cut
+short, and a check in place could race a write).
+
+Space comes back without moving anything: an evicted block's bytes are freed at once by
+punching a hole (``fallocate(PUNCH_HOLE)``), and a segment is unlinked when its last block
+is gone. A region is never written twice -- new blocks only go to the tail of the newest
+segment, and segment ids are never reused -- so a stale location (another process, a read
+racing an eviction) can only read the block's own bytes or zeros, which its digest tells
+apart.
+
+Each segment is created at its full size as a sparse file (``ftruncate``); only written
+blocks use disk.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import errno
+import logging
+import os
+from pathlib import Path
+
+log = logging.getLogger(__name__)
+
+ALIGN = 4096
+SEGMENT_BYTES = 256 << 20  # address space of one segment; most blocks are far smaller
+
+_FALLOC_FL_KEEP_SIZE = 0x01
+_FALLOC_FL_PUNCH_HOLE = 0x02
+_libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+_libc.fallocate.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_int64, ctypes.c_int64]
+
+
+def aligned(n: int) -> int:
+    return (n + ALIGN - 1) & ~(ALIGN - 1)
+
+
+def punch_hole(fd: int, offset: int, length: int) -> None:
+    """Free the disk space of [offset, offset+length) of an open file; it then reads zeros."""
+    if length <= 0:
+        return
+    if _libc.fallocate(fd, _FALLOC_FL_PUNCH_HOLE | _FALLOC_FL_KEEP_SIZE, offset, length) != 0:
+        e = ctypes.get_errno()
+        raise OSError(e, f"fallocate(PUNCH_HOLE): {os.strerror(e)}")
+
+
+def check_hole_punching(folder: Path) -> None:
+    """Raise OSError with a clear message if the cache's filesystem cannot punch holes. Needs
+    no free space: the probe is an empty file (a full volume must not stop a restart)."""
+    probe = folder / ".punch-probe"
+    try:
+        fd = os.open(probe, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
+    except OSError as exc:
+        if exc.errno in (errno.ENOSPC, errno.EDQUOT, errno.EROFS):
+            return  # cannot tell now; a write failure later means pass-through anyway
+        raise
+    try:
+        punch_hole(fd, 0, ALIGN)
+    except OSError as exc:
+        if exc.errno in (errno.EOPNOTSUPP, errno.ENOSYS):
+            raise OSError(exc.errno, f"the filesystem of {folder} cannot free parts of a "
+                          "file (fallocate PUNCH_HOLE); put the cache on ext4, xfs, btrfs "
+                          "or tmpfs") from exc
+        raise
+    finally:
+        os.close(fd)
+        probe.unlink(missing_ok=True)
+
+
+class Segment:
+    """One segment file: its descriptor, the append tail, its live blocks."""
+
+    __slots__ = ("fd", "id", "live", "live_bytes", "path", "size", "tail")
+
+    def __init__(self, seg_id: int, path: Path, fd: int, size: int, tail: int = 0) -> None:
+        self.id = seg_id
+        self.path = path
+        self.fd = fd
+        self.size = size
+        self.tail = tail
+        self.live = 0          # blocks indexed in it
+        self.live_bytes = 0    # their aligned bytes (disk they hold)
+
+    def room(self) -> int:
+        return self.size - self.tail
+
+    def read(self, offset: int, into: memoryview) -> int:
+        """Fill ``into`` from ``offset`` (any thread); the count read (short at the end of a
+        file cut short)."""
+        done = 0
+        while done < len(into):
+            n = os.preadv(self.fd, [into[done:]], offset + done)
+            if n <= 0:
+                break
+            done += n
+        return done
+
+    def close(self) -> None:
+        os.close(self.fd)
+
+
+class SegmentFiles:
+    """The segment files of one cache folder; not thread-safe (the store's loop owns it),
+    except ``write``, which a writer thread calls for a region it was given."""
+
+    def __init__(self, folder: Path, segment_bytes: int = SEGMENT_BYTES) -> None:
+        self.folder = folder
+        self.segment_bytes = segment_bytes
+        self.segments: dict[int, Segment] = {}
+        self.current: Segment | None = None
+        self.next_id = 1
+
+    @staticmethod
+    def name(seg_id: int) -> str:
+        return f"{seg_id:08x}.seg"
+
+    def existing(self) -> dict[int, Path]:
+        out = {}
+        for p in self.folder.iterdir():
+            if p.suffix == ".seg" and len(p.stem) == 8:
+                try:
+                    out[int(p.stem, 16)] = p
+                except ValueError:
+                    continue
+        return out
+
+    def open_existing(self, seg_id: int, path: Path) -> Segment:
+        fd = os.open(path, os.O_RDWR)
+        size = os.fstat(fd).st_size
+        seg = Segment(seg_id, path, fd, size, tail=size)  # full: new blocks go elsewhere
+        self.segments[seg_id] = seg
+        self.next_id = max(self.next_id, seg_id + 1)
+        return seg
+
+    def allocate(self, nbytes: int) -> tuple[Segment, int]:
+        """An unwritten, aligned region of ``nbytes`` (a new segment when the current one
+        is full). Raises OSError if no segment can be made."""
+        need = aligned(max(nbytes, 1))
+        seg = self.current
+        if seg is None or seg.room() < need:
+            seg = self._new(max(self.segment_bytes, need))
+        offset = seg.tail
+        seg.tail += need
+        return seg, offset
+
+    def _new(self, size: int) -> Segment:
+        seg_id = self.next_id
+        self.next_id += 1
+        path = self.folder / self.name(seg_id)
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+        try:
+            os.ftruncate(fd, size)  # sparse: costs no disk until written
+            seg = Segment(seg_id, path, fd, size)
+        except BaseException:
+            os.close(fd)
+            path.unlink(missing_ok=True)
+            raise
+        self.segments[seg_id] = seg
+        self.current = seg
+        return seg
+
+    @staticmethod
+    def write(seg: Segment, offset: int, data: memoryview) -> None:
+        """Write a block into its region (any thread). OSError on a full or failing disk."""
+        done = 0
+        while done < len(data):
+            n = os.pwrite(seg.fd, data[done:], offset + done)
+            if n <= 0:
+                raise OSError(errno.ENOSPC, f"short write: {done} of {len(data)} bytes")
+            done += n
+
+    @staticmethod
+    def punch(seg: Segment, offset: int, nbytes: int) -> None:
+        """Free a region (its block was evicted, dropped or never committed)."""
+        try:
+            punch_hole(seg.fd, offset, aligned(nbytes))
+        except OSError as exc:
+            log.debug("cache: cannot free %d bytes of %s: %s", nbytes, seg.path, exc)
+
+    def forget(self, seg: Segment) -> None:
+        """Stop using a segment (no block in it, none being written); ``remove`` it next."""
+        self.segments.pop(seg.id, None)
+        if self.current is seg:
+            self.current = None
+
+    @staticmethod
+    def remove(seg: Segment) -> None:
+        """Delete a forgotten segment's file (after every job that touched it)."""
+        seg.path.unlink(missing_ok=True)
+        seg.close()
+
+    def disk_bytes(self) -> int:
+        """Bytes the segment files hold on disk (st_blocks), for checks and status."""
+        total = 0
+        for seg in self.segments.values():
+            try:
+                total += os.fstat(seg.fd).st_blocks * 512
+            except OSError:
+                pass
+        return total
+
+    def close(self) -> None:
+        for seg in list(self.segments.values()):
+            seg.close()
+        self.segments.clear()
+        self.current = None

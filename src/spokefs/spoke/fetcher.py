@@ -1,0 +1,312 @@
+"""Fetching blocks from the upstream: one fetch per block, many blocks per request.
+
+A block the spoke needs (a reader's miss, a prefetch, a warm-up) becomes one ``Fetch``,
+shared by everyone who asks while it is under way; asking again at a higher priority (a
+reader catching up with a prefetch) moves it up the queue. The queue (``FetchQueue``) groups
+waiting blocks into batch reads (``POST /v1/datasets/{ds}/blocks``) under the request limit
+and the link's prefetch window. Each frame of the response is received into a pooled buffer
+of its own, checked against the digest the upstream sent, handed to the readers
+waiting for it at once, and written to the store by its worker thread, all while later frames
+are still arriving.
+
+Failures: a connection that fails or goes silent gives back the blocks it did not deliver,
+which are retried with backoff until ``deadline`` seconds after their fetch began, then fail
+with ``UpstreamUnavailable``; a frame whose digest does not match is fetched again, three
+times at most (``IntegrityError``); an error frame (410, 404...) is that block's final answer.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+from collections import OrderedDict
+from collections.abc import Callable, Coroutine, Iterator
+from typing import Any
+
+import xxhash
+
+from spokefs.cache.store import BlockStore
+from spokefs.errors import (
+    IntegrityError,
+    SpokeError,
+    Transient,
+    UpstreamUnavailable,
+    from_status,
+)
+from spokefs.linkmodel import LinkModel
+from spokefs.policy import BlockKey
+from spokefs.retry import backoff_delays
+from spokefs.spoke.fetchqueue import QUEUED, Batch, Entry, FetchQueue
+from spokefs.spoke.metrics import SpokeMetrics
+from spokefs.wire.frames import FrameHeader
+from spokefs.wire.http1 import DataClient
+
+log = logging.getLogger(__name__)
+
+DEMAND = 0
+MAX_DIGEST_FAILURES = 3
+
+
+class Block:
+    """A fetched block whose bytes matched their digest (its own buffer: hold the object
+    or the view for as long as you like)."""
+
+    __slots__ = ("digest", "object_size", "view")
+
+    def __init__(self, view: memoryview, digest: bytes, object_size: int) -> None:
+        self.view = view
+        self.digest = digest
+        self.object_size = object_size
+
+    @property
+    def size(self) -> int:
+        return len(self.view)
+
+
+class FetchCancelled(Exception):
+    """A queued prefetch was withdrawn before it went out."""
+
+
+class Fetch:
+    __slots__ = ("bad", "dataset", "delays", "entry", "future", "key", "started")
+
+    def __init__(self, key: BlockKey, dataset: str, future: asyncio.Future[Block],
+                 entry: Entry) -> None:
+        self.key = key
+        self.dataset = dataset
+        self.future = future
+        self.entry = entry
+        self.started = time.monotonic()
+        self.delays: Iterator[float] | None = None
+        self.bad = 0  # digest failures
+
+
+Spawn = Callable[[Coroutine[Any, Any, Any]], asyncio.Task[Any]]
+
+
+class Fetcher:
+    """The spoke's fetch path. ``finished(key, resident)`` hears every fetch's end (resident:
+    the block was indexed; False: failed, cancelled, or passed through)."""
+
+    def __init__(self, upstream: str, store: BlockStore, metrics: SpokeMetrics, *,
+                 spawn: Spawn, max_requests: int = 64, deadline: float = 30.0,
+                 link: LinkModel | None = None,
+                 finished: Callable[[BlockKey, bool], None] | None = None) -> None:
+        self.upstream = upstream
+        self.store = store
+        self.metrics = metrics
+        self.spawn = spawn
+        self.deadline = deadline
+        self.link = link
+        self.finished = finished or (lambda key, resident: None)
+        self.client = DataClient(upstream, max_connections=max_requests,
+                                 idle_timeout=deadline)
+        self.queue = FetchQueue(max_requests, prefetch_window=(
+            link.window() if link is not None else None))
+        self._fetches: dict[BlockKey, Fetch] = {}
+        self._writing: dict[BlockKey, Block] = {}   # handed out, not yet indexed
+        # Digests of blocks served without being kept (single-block reads send them).
+        self.passed: OrderedDict[BlockKey, bytes] = OrderedDict()
+        self.last_error: str | None = None
+        self.expected_size: Callable[[str, BlockKey], int] = lambda ds, key: 4 << 20
+
+    # -- asking --------------------------------------------------------------------------------
+    def want(self, dataset: str, key: BlockKey, priority: int) -> asyncio.Future[Block]:
+        """The block's fetch (started now, or the one under way, raised to ``priority``)."""
+        f = self._fetches.get(key)
+        if f is not None:
+            self.queue.raise_priority(f.entry, priority)
+            self._pump()
+            return f.future
+        fut: asyncio.Future[Block] = asyncio.get_running_loop().create_future()
+        block = self._writing.get(key)
+        if block is not None:  # fetched a moment ago, being written: no second fetch
+            fut.set_result(block)
+            return fut
+        entry = self.queue.add(key, dataset, priority, self.expected_size(dataset, key))
+        self._fetches[key] = Fetch(key, dataset, fut, entry)
+        self._pump()
+        return fut
+
+    def fetching(self, key: BlockKey) -> bool:
+        return key in self._fetches
+
+    def recent(self, key: BlockKey) -> Block | None:
+        """A block fetched and handed out, still being written to the store."""
+        return self._writing.get(key)
+
+    def cancel(self, key: BlockKey) -> bool:
+        """Withdraw a queued prefetch (one that went out runs to its end)."""
+        f = self._fetches.get(key)
+        if f is None or f.entry.priority == DEMAND or not self.queue.remove(f.entry):
+            return False
+        self._end(f, error=FetchCancelled(f"prefetch of block {key[1]} of {key[0]} withdrawn"))
+        return True
+
+    @property
+    def held_back(self) -> bool:
+        return self.queue.held_back
+
+    def set_window(self, nbytes: int | None) -> None:
+        self.queue.prefetch_window = nbytes
+        self._pump()
+
+    async def close(self) -> None:
+        await self.client.close()
+
+    # -- requests ------------------------------------------------------------------------------
+    def _pump(self) -> None:
+        while (batch := self.queue.next_batch()) is not None:
+            self.spawn(self._request(batch))
+
+    async def _request(self, batch: Batch) -> None:
+        fetches = [self._fetches[e.key] for e in batch.entries]
+        ds = batch.group
+        body = json.dumps({"blocks": [list(f.key) for f in fetches]}).encode()
+        bufs: dict[int, memoryview] = {}
+        done: set[int] = set()
+        first_byte: list[float] = []
+
+        def begin(h: FrameHeader) -> memoryview | None:
+            if h.status != 200 or h.seq >= len(fetches) or h.seq in done:
+                return None
+            if not first_byte:
+                first_byte.append(time.monotonic())
+            buf = bufs[h.seq] = memoryview(bytearray(h.length))
+            return buf
+
+        def end(h: FrameHeader, payload: memoryview) -> None:
+            if h.seq >= len(fetches) or h.seq in done:
+                raise ValueError(f"frame {h.seq} was not asked for or came twice")
+            done.add(h.seq)
+            self._frame(fetches[h.seq], h, payload, bufs.pop(h.seq, None), batch.prefetch)
+
+        def arrived(n: int) -> None:
+            if self.link is not None:
+                self.link.received(n)
+            self.queue.received(batch, n)
+            if self.queue.held_back:
+                self._pump()
+
+        link = self.link
+        sent = link.sent(time.monotonic(), app_limited=not self.queue.held_back) if link else None
+        t0 = time.monotonic()
+        cause: str | None = None
+        final: SpokeError | None = None
+        try:
+            await self.client.read_blocks(f"/v1/datasets/{ds}/blocks", body, begin, end,
+                                          progress=arrived)
+            self.last_error = None
+        except Transient as exc:
+            cause = str(exc)
+            self.last_error = cause
+            self.metrics.upstream_errors.labels("transient").inc()
+        except SpokeError as exc:  # the upstream refused the whole batch: final for each
+            final = exc
+        finally:
+            self.queue.finished(batch)
+        now = time.monotonic()
+        self.metrics.fetch_seconds.observe(now - t0)
+        if link is not None and sent is not None:
+            link.delivered(sent, 0, now, first_byte[0] if first_byte else None)
+            self.queue.prefetch_window = link.window()
+        for seq, f in enumerate(fetches):
+            if seq in done:
+                continue
+            if final is not None:
+                self._end(f, error=final)
+            else:
+                self._retry(f, cause or "the upstream's answer ended early")
+        self._pump()
+
+    def _frame(self, f: Fetch, h: FrameHeader, payload: memoryview, buf: memoryview | None,
+               prefetch: bool) -> None:
+        if h.status != 200:
+            try:
+                doc = json.loads(bytes(payload))
+            except ValueError:
+                doc = None
+            if h.status >= 500:
+                self._retry(f, f"upstream answered {h.status} for block {f.key[1]} of "
+                            f"{f.key[0]}")
+            else:
+                self._end(f, error=from_status(h.status, doc, f"upstream answered {h.status}"))
+            return
+        assert buf is not None
+        self.metrics.upstream_bytes.labels("prefetch" if prefetch else "demand").inc(h.length)
+        if xxhash.xxh3_128_digest(payload) != h.digest:
+            f.bad += 1
+            self.metrics.integrity_failures.labels("upstream").inc()
+            what = f"block {f.key[1]} of {f.key[0]} ({f.dataset})"
+            log.warning("%s from upstream failed its digest check (attempt %d)", what, f.bad)
+            if f.bad >= MAX_DIGEST_FAILURES:
+                self._end(f, error=IntegrityError(
+                    f"{what} failed its digest check {f.bad} times; the upstream's copy may "
+                    "be changing or damaged"))
+            else:
+                self._requeue(f)
+            return
+        block = Block(buf, h.digest, h.object_size)
+        self._end(f, block=block)
+
+    # -- ends ----------------------------------------------------------------------------------
+    def _end(self, f: Fetch, block: Block | None = None,
+             error: BaseException | None = None) -> None:
+        key = f.key
+        if self._fetches.get(key) is f:
+            del self._fetches[key]
+        if block is None:
+            if not f.future.done():
+                f.future.set_exception(error or RuntimeError("fetch ended without a block"))
+                f.future.exception()  # retrieved: a failed prefetch nobody awaits is no error
+            self.finished(key, False)
+            return
+        self.store.set_object_size(key[0], block.object_size)
+        res = self.store.reserve(key, block.size, f.dataset)
+        if res is None:
+            self._passed(key, block)
+            self.finished(key, False)
+        else:
+            self._writing[key] = block
+
+            def written(kept: bool) -> None:
+                if self._writing.get(key) is block:
+                    del self._writing[key]
+                if not kept:
+                    self._passed(key, block)
+                self.finished(key, kept)
+
+            self.store.write(res, block.view, block.digest, written)
+        if not f.future.done():
+            f.future.set_result(block)
+
+    def _passed(self, key: BlockKey, block: Block) -> None:
+        self.metrics.passthrough_bytes.inc(block.size)
+        self.passed[key] = block.digest
+        while len(self.passed) > 4096:
+            self.passed.popitem(last=False)
+
+    def _retry(self, f: Fetch, cause: str) -> None:
+        if f.delays is None:
+            f.delays = backoff_delays()
+        delay = next(f.delays)
+        left = f.started + self.deadline - time.monotonic()
+        if left <= 0:
+            self._end(f, error=UpstreamUnavailable(
+                f"upstream {self.upstream} unreachable for {self.deadline:g}s while fetching "
+                f"block {f.key[1]} of {f.key[0]} ({f.dataset}): {cause}", self.upstream, cause))
+            return
+        # Hold the entry out of the queue until the pause is over (one last try at the end).
+        asyncio.get_running_loop().call_later(min(delay, left), self._requeue, f)
+
+    def _requeue(self, f: Fetch) -> None:
+        if self._fetches.get(f.key) is f and f.entry.state != QUEUED:
+            self.queue.requeue(f.entry)
+            self._pump()
+
+    def stats(self) -> dict[str, object]:
+        return {"requests": self.queue.active, "queued": self.queue.queued,
+                "inflight_bytes": self.queue.inflight_bytes,
+                "writing": len(self._writing)}
