@@ -75,6 +75,9 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="the order readers take files in (default shuffled, like an epoch)")
     p.add_argument("--spoke-arg", action="append", default=[], metavar="ARG",
                    help="extra argument for `spokefs spoke serve` (repeatable)")
+    p.add_argument("--compare", type=Path, metavar="SRC",
+                   help="also run every spoke phase with the spokefs source tree in SRC (a "
+                   "checkout of another commit), right after this one: an A/B in one run")
     p.add_argument("--seed", type=int, default=1)
     p.set_defaults(func=run)
 
@@ -146,6 +149,12 @@ _TICK = os.sysconf("SC_CLK_TCK")
 
 def tree_cpu_s(pid: int) -> float:
     """User + system CPU seconds of a process and its live descendants, from /proc."""
+    user, system = tree_cpu(pid)
+    return user + system
+
+
+def tree_cpu(pid: int) -> tuple[float, float]:
+    """(user, system) CPU seconds of a process and its live descendants, from /proc."""
     children: dict[int, list[int]] = {}
     stats: dict[int, list[str]] = {}
     for d in os.listdir("/proc"):
@@ -158,14 +167,16 @@ def tree_cpu_s(pid: int) -> float:
         fields = raw[raw.rindex(")") + 2:].split()
         stats[int(d)] = fields
         children.setdefault(int(fields[1]), []).append(int(d))
-    total, todo = 0.0, [pid]
+    user = system = 0.0
+    todo = [pid]
     while todo:
         p = todo.pop()
         f = stats.get(p)
         if f is not None:
-            total += (int(f[11]) + int(f[12])) / _TICK
+            user += int(f[11]) / _TICK
+            system += int(f[12]) / _TICK
         todo.extend(children.get(p, []))
-    return total
+    return user, system
 
 
 _SAMPLE = re.compile(r'^([a-zA-Z_:][\w:]*)(\{[^}]*\})? (\S+)$')
@@ -314,11 +325,13 @@ def read_files(base: str, dataset: str, paths: list[str], sizes: dict[str, int],
 @dataclass
 class Phase:
     name: str
+    variant: str
     workers: int | None
     seconds: float
     blocks: int
     bytes: int
     spoke_cpu_s: float | None
+    spoke_sys_s: float | None   # of which in the kernel (socket and page-cache copies)
     hub_cpu_s: float
     reader_cpu_s: float
     loop_lag_p50_ms: float | None
@@ -330,11 +343,13 @@ class Phase:
         gib = self.bytes / 2**30
         cpu = self.spoke_cpu_s
         return {
-            "phase": self.name, "workers": self.workers, "seconds": round(self.seconds, 3),
+            "phase": self.name, "variant": self.variant, "workers": self.workers,
+            "seconds": round(self.seconds, 3),
             "blocks": self.blocks, "bytes": self.bytes,
             "blocks_per_s": round(self.blocks / self.seconds, 1),
             "GBps": round(self.bytes / self.seconds / 1e9, 3),
-            "spoke_cpu_s": cpu, "hub_cpu_s": round(self.hub_cpu_s, 2),
+            "spoke_cpu_s": cpu, "spoke_sys_s": self.spoke_sys_s,
+            "hub_cpu_s": round(self.hub_cpu_s, 2),
             "reader_cpu_s": round(self.reader_cpu_s, 2),
             "spoke_cpu_s_per_GiB": round(cpu / gib, 3) if cpu is not None and gib else None,
             "blocks_per_spoke_cpu_s": round(self.blocks / cpu, 1) if cpu else None,
@@ -350,50 +365,73 @@ def _ms(v: float | None) -> float | None:
     return None if v is None else round(1000 * v, 3)
 
 
+@dataclass(frozen=True)
+class Variant:
+    """Which spoke runs: this one, or another source tree (``--compare``) for an A/B in
+    one run, on the same datasets, hub and machine state."""
+
+    name: str
+    source: Path | None = None
+
+    @property
+    def env(self) -> dict[str, str] | None:
+        return None if self.source is None else {"PYTHONPATH": str(self.source / "src")}
+
+    def supports_workers(self) -> bool:
+        out = subprocess.run([sys.executable, "-m", "spokefs.cli", "spoke", "serve", "--help"],
+                             capture_output=True, text=True,
+                             env={**os.environ, **(self.env or {})}).stdout
+        return "--workers" in out
+
+
 class Bench:
-    def __init__(self, args: argparse.Namespace, work: Path, hub: Service,
-                 supports_workers: bool) -> None:
+    def __init__(self, args: argparse.Namespace, work: Path, hub: Service) -> None:
         self.args = args
         self.work = work
         self.hub = hub
-        self.supports_workers = supports_workers
         self.runs = 0
+        self._workers: dict[Variant, bool] = {}
 
-    def spoke(self, ds: Dataset, workers: int | None) -> Service:
+    def spoke(self, ds: Dataset, workers: int | None, variant: Variant) -> Service:
         self.runs += 1
         cache = self.work / f"cache-{ds.name}-{self.runs}"
         extra = list(self.args.spoke_arg)
-        if workers is not None and self.supports_workers:
+        if variant not in self._workers:
+            self._workers[variant] = variant.supports_workers()
+        if workers is not None and self._workers[variant]:
             extra += ["--workers", str(workers)]
         size = str(2 * ds.bytes + (256 << 20))
-        return Service(spoke_args(self.hub.url, cache, size, 0, *extra))
+        return Service(spoke_args(self.hub.url, cache, size, 0, *extra), env=variant.env)
 
     def measure(self, name: str, ds: Dataset, workers: int | None, spoke: Service | None,
-                action: Callable[[], ReadResult]) -> Phase:
+                action: Callable[[], ReadResult], variant: str = "this") -> Phase:
         assert self.hub.proc is not None
         spid = spoke.proc.pid if spoke is not None and spoke.proc is not None else None
         before = scrape(spoke.url) if spoke is not None else {}
-        s0 = tree_cpu_s(spid) if spid else None
+        s0 = tree_cpu(spid) if spid else None
         h0 = tree_cpu_s(self.hub.proc.pid)
         r0 = time.process_time()
         result = action()
         r1 = time.process_time()
         h1 = tree_cpu_s(self.hub.proc.pid)
-        s1 = tree_cpu_s(spid) if spid else None
+        s1 = tree_cpu(spid) if spid else None
         after = scrape(spoke.url) if spoke is not None else {}
         up = None
         if spoke is not None:
             up = sum(v for k, v in after.items()
                      if k.startswith("spokefs_upstream_bytes_total")) - sum(
                 v for k, v in before.items() if k.startswith("spokefs_upstream_bytes_total"))
-        phase = Phase(name, workers, result.seconds, ds.blocks(), result.bytes,
-                      round(s1 - s0, 2) if s0 is not None and s1 is not None else None,
-                      h1 - h0, r1 - r0, _ms(lag_quantile(before, after, 0.5)),
+        spoke_sys = round(s1[1] - s0[1], 2) if s0 is not None and s1 is not None else None
+        phase = Phase(name, variant, workers, result.seconds, ds.blocks(), result.bytes,
+                      round(sum(s1) - sum(s0), 2) if s0 is not None and s1 is not None else None,
+                      spoke_sys, h1 - h0, r1 - r0, _ms(lag_quantile(before, after, 0.5)),
                       _ms(lag_quantile(before, after, 0.99)), up, result.errors)
         f = phase.figures()
-        print(f"  {ds.name:5s} {name:7s} workers={workers or '-'}: {f['seconds']:7.2f} s "
+        print(f"  {ds.name:5s} {name:7s} {variant:5s} workers={workers or '-'}: "
+              f"{f['seconds']:7.2f} s "
               f"{f['blocks_per_s']:9.0f} blocks/s {f['GBps']:6.3f} GB/s  spoke "
-              f"{f['spoke_cpu_s']} CPU-s  hub {f['hub_cpu_s']} CPU-s  lag p99 "
+              f"{f['spoke_cpu_s']} CPU-s ({f['spoke_sys_s']} sys)  hub {f['hub_cpu_s']} CPU-s"
+              f"  lag p99 "
               f"{f['loop_lag_p99_ms']} ms{'  ERRORS' if result.errors else ''}", flush=True)
         return phase
 
@@ -404,46 +442,71 @@ class Bench:
         sizes = dict(zip(ds.paths, ds.sizes, strict=True))
         return lambda: read_files(base, ds.name, paths, sizes, self.args.readers)
 
-    def run_dataset(self, ds: Dataset, worker_counts: list[int]) -> dict[str, Any]:
+    def run_dataset(self, ds: Dataset, worker_counts: list[int], variants: list[Variant]
+                    ) -> dict[str, Any]:
         from spokefs.client.control import SpokeControl
 
         phases: list[Phase] = []
-        demand_by_workers = []
         for w in worker_counts:
-            with self.spoke(ds, w) as s:
-                p = self.measure("demand", ds, w, s, self.reads(s.url, ds))
-                demand_by_workers.append(p)
-                phases.append(p)
-        with self.spoke(ds, worker_counts[0]) as s:
+            for v in variants:  # interleaved: what the machine does meanwhile hits both
+                with self.spoke(ds, w, v) as s:
+                    phases.append(self.measure("demand", ds, w, s, self.reads(s.url, ds),
+                                               v.name))
+        for v in variants:
+            with self.spoke(ds, worker_counts[0], v) as s:
 
-            def warm() -> ReadResult:
-                ctl = SpokeControl(f"{s.url}/{ds.name}", deadline=600)
-                t0 = time.perf_counter()
-                ctl.warm(prefix="", wait=True, progress=False, timeout=3600)
-                return ReadResult(time.perf_counter() - t0, len(ds.paths), ds.bytes)
+                def warm(url: str = s.url) -> ReadResult:
+                    ctl = SpokeControl(f"{url}/{ds.name}", deadline=600)
+                    t0 = time.perf_counter()
+                    ctl.warm(prefix="", wait=True, progress=False, timeout=3600)
+                    return ReadResult(time.perf_counter() - t0, len(ds.paths), ds.bytes)
 
-            phases.append(self.measure("warm", ds, worker_counts[0], s, warm))
-            phases.append(self.measure("hit", ds, worker_counts[0], s, self.reads(s.url, ds)))
+                phases.append(self.measure("warm", ds, worker_counts[0], s, warm, v.name))
+                phases.append(self.measure("hit", ds, worker_counts[0], s,
+                                           self.reads(s.url, ds), v.name))
         phases.append(self.measure("hub", ds, None, None, self.reads(self.hub.url, ds)))
-        head = demand_by_workers[0].figures()
-        return {
+        floor = page_cache_floor(self.work, min(ds.bytes, 1 << 30), ds.sizes[0])
+        print(f"  {ds.name:5s} floor: writing the same bytes to a new file costs "
+              f"{floor:.2f} CPU-s per GiB here (the kernel's page-cache copy)", flush=True)
+        mine = [p for p in phases if p.variant == "this"]
+        demand = [p for p in mine if p.name == "demand"]
+        head = demand[0].figures()
+        out: dict[str, Any] = {
             "files": len(ds.paths), "bytes": ds.bytes, "blocks": ds.blocks(),
             "fill_blocks_per_s": head["blocks_per_s"], "fill_GBps": head["GBps"],
             "spoke_cpu_s_per_GiB": head["spoke_cpu_s_per_GiB"],
             "blocks_per_spoke_cpu_s": head["blocks_per_spoke_cpu_s"],
             "loop_lag_p99_ms": head["loop_lag_p99_ms"],
+            "page_cache_write_cpu_s_per_GiB": round(floor, 3),
             "workers": [{k: p.figures()[k] for k in (
                 "workers", "blocks_per_s", "GBps", "spoke_cpu_s_per_GiB",
                 "blocks_per_spoke_cpu_s", "loop_lag_p99_ms", "seconds", "spoke_cpu_s")}
-                for p in demand_by_workers],
+                for p in demand],
             "phases": [p.figures() for p in phases],
         }
+        if len(variants) > 1:
+            other = [p for p in phases if p.variant != "this"]
+            out["compare"] = {"source": str(variants[1].source),
+                              "phases": [p.figures() for p in other]}
+        return out
 
 
-def _supports_workers() -> bool:
-    out = subprocess.run([sys.executable, "-m", "spokefs.cli", "spoke", "serve", "--help"],
-                         capture_output=True, text=True).stdout
-    return "--workers" in out
+def page_cache_floor(work: Path, nbytes: int, block: int) -> float:
+    """CPU seconds per GiB to write ``nbytes`` to a new file in ``block``-sized writes: what
+    any cache pays the kernel to keep bytes, whatever its own cost (on a VM whose memory is
+    backed lazily it is high: every new page-cache page is a first touch)."""
+    path = work / "floor.tmp"
+    data = memoryview(random.Random(3).randbytes(min(block, 16 << 20)))
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
+    try:
+        c0 = time.process_time()
+        for off in range(0, nbytes, len(data)):
+            os.pwrite(fd, data, off)
+        cpu = time.process_time() - c0
+    finally:
+        os.close(fd)
+        path.unlink(missing_ok=True)
+    return cpu / (nbytes / 2**30)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -482,8 +545,12 @@ def _run(args: argparse.Namespace, names: list[str], workers: list[int], work: P
           + ", ".join(f"{d.name} {len(d.paths)} files {format_size(d.bytes)}"
                       for d in datasets.values())
           + f"; load avg {os.getloadavg()[0]:.2f}, {os.cpu_count()} cores", flush=True)
-    supports = _supports_workers()
-    if not supports:
+    variants = [Variant("this")]
+    if args.compare is not None:
+        variants.append(Variant("other", args.compare.resolve()))
+        print(f"dataplane: each spoke phase runs twice, this spoke then the one in "
+              f"{args.compare} (\"other\")", flush=True)
+    if not variants[0].supports_workers():
         print("dataplane: this spoke has no --workers; measuring its one process", flush=True)
         workers = workers[:1]
     results: dict[str, Any] = {}
@@ -492,8 +559,8 @@ def _run(args: argparse.Namespace, names: list[str], workers: list[int], work: P
             shutil.rmtree(old, ignore_errors=True)
         hub = Service(hub_args(ds.root, work / f"hubstate-{ds.name}"))
         with hub:
-            bench = Bench(args, work, hub, supports)
-            results[ds.name] = bench.run_dataset(ds, workers)
+            bench = Bench(args, work, hub)
+            results[ds.name] = bench.run_dataset(ds, workers, variants)
         for old in work.glob(f"cache-{ds.name}-*"):
             shutil.rmtree(old, ignore_errors=True)
     goals = []
@@ -507,16 +574,18 @@ def _run(args: argparse.Namespace, names: list[str], workers: list[int], work: P
                       "small_size": args.small_size, "small_dirs": args.small_dirs,
                       "large_bytes": args.large_bytes, "large_file_size": args.large_file_size,
                       "readers": args.readers, "workers": workers, "order": args.order,
+                      "compare": str(args.compare) if args.compare else None,
                       "spoke_args": args.spoke_arg, "machine": machine()},
            "results": results, "goals": goals}
     path = write_json(args.out, doc)
-    rows = [[name, p["phase"], p["workers"] or "-", p["seconds"], p["blocks_per_s"], p["GBps"],
-             p["spoke_cpu_s"], p["spoke_cpu_s_per_GiB"], p["blocks_per_spoke_cpu_s"],
-             p["hub_cpu_s"], p["loop_lag_p50_ms"], p["loop_lag_p99_ms"]]
+    rows = [[name, p["phase"], p["variant"], p["workers"] or "-", p["seconds"],
+             p["blocks_per_s"], p["GBps"], p["spoke_cpu_s"], p["spoke_sys_s"],
+             p["spoke_cpu_s_per_GiB"], p["blocks_per_spoke_cpu_s"], p["hub_cpu_s"],
+             p["loop_lag_p50_ms"], p["loop_lag_p99_ms"]]
             for name, r in results.items() for p in r["phases"]]
-    text = table(rows, ["dataset", "phase", "workers", "s", "blocks/s", "GB/s", "spoke CPU-s",
-                        "spoke CPU-s/GiB", "blocks/spoke CPU-s", "hub CPU-s", "lag p50 ms",
-                        "lag p99 ms"])
+    text = table(rows, ["dataset", "phase", "spoke", "workers", "s", "blocks/s", "GB/s",
+                        "spoke CPU-s", "of it sys", "spoke CPU-s/GiB", "blocks/spoke CPU-s",
+                        "hub CPU-s", "lag p50 ms", "lag p99 ms"])
     print(text)
     (args.out / "table.md").write_text(text + "\n")
     for g in goals:
@@ -537,15 +606,25 @@ def _plot(results: dict[str, Any], path: Path) -> None:
     fig, axes = plt.subplots(1, 2 * len(results), figsize=(5 * 2 * len(results), 4))
     axes = list(axes) if len(results) * 2 > 1 else [axes]
     for k, (name, r) in enumerate(results.items()):
-        labels = [f"{p['phase']}" + (f"\n{p['workers']}w" if p["phase"] == "demand" else "")
+        labels = [p["phase"] + (f" {p['workers']}w" if p["phase"] == "demand" else "")
+                  + ("" if p["variant"] == "this" or p["phase"] == "hub" else "\n(other)")
                   for p in r["phases"]]
+        colors = ["#4477aa" if p["variant"] == "this" else "#bbbbbb" for p in r["phases"]]
         ax = axes[2 * k]
-        ax.bar(labels, [p["GBps"] for p in r["phases"]], color="#4477aa")
+        ax.bar(labels, [p["GBps"] for p in r["phases"]], color=colors)
         ax.set_title(f"{name}: GB/s")
+        ax.tick_params(axis="x", labelrotation=45, labelsize=7)
         ax = axes[2 * k + 1]
         vals = [p["spoke_cpu_s_per_GiB"] or 0 for p in r["phases"]]
-        ax.bar(labels, vals, color="#cc6677")
+        sys_vals = [(p["spoke_sys_s"] or 0) / (p["bytes"] / 2**30) for p in r["phases"]]
+        ax.bar(labels, vals, color=["#cc6677" if c == "#4477aa" else "#dddddd" for c in colors])
+        ax.bar(labels, sys_vals, color="none", edgecolor="black", hatch="//",
+               label="of it in the kernel")
+        ax.axhline(r.get("page_cache_write_cpu_s_per_GiB", 0), color="black", linestyle=":",
+                   label="page-cache write floor")
         ax.set_title(f"{name}: spoke CPU-s per GiB")
+        ax.tick_params(axis="x", labelrotation=45, labelsize=7)
+        ax.legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)

@@ -77,16 +77,19 @@ def check_hole_punching(folder: Path) -> None:
 class Segment:
     """One segment file: its descriptor, the append tail, its live blocks."""
 
-    __slots__ = ("fd", "id", "live", "live_bytes", "path", "size", "tail")
+    __slots__ = ("fd", "file", "held", "id", "live", "live_bytes", "path", "size", "tail")
 
     def __init__(self, seg_id: int, path: Path, fd: int, size: int, tail: int = 0) -> None:
         self.id = seg_id
         self.path = path
         self.fd = fd
+        # A file object over the same descriptor, for sendfile (which wants one).
+        self.file = open(fd, "rb", buffering=0, closefd=False)  # noqa: SIM115
         self.size = size
         self.tail = tail
         self.live = 0          # blocks indexed in it
         self.live_bytes = 0    # their aligned bytes (disk they hold)
+        self.held = 0          # blocks being sent from it (held, possibly evicted)
 
     def room(self) -> int:
         return self.size - self.tail
@@ -103,6 +106,7 @@ class Segment:
         return done
 
     def close(self) -> None:
+        self.file.close()
         os.close(self.fd)
 
 
@@ -167,14 +171,22 @@ class SegmentFiles:
         return seg
 
     @staticmethod
-    def write(seg: Segment, offset: int, data: memoryview) -> None:
-        """Write a block into its region (any thread). OSError on a full or failing disk."""
+    def write_many(seg: Segment, offset: int, pieces: list[memoryview]) -> None:
+        """Write pieces back to back from ``offset`` with one ``pwritev`` (more if the kernel
+        takes less); any thread. OSError on a full or failing disk (a short write on a full
+        volume, which the kernel reports as a count, included)."""
+        total = sum(len(p) for p in pieces)
         done = 0
-        while done < len(data):
-            n = os.pwrite(seg.fd, data[done:], offset + done)
+        while done < total:
+            n = os.pwritev(seg.fd, pieces, offset + done)
             if n <= 0:
-                raise OSError(errno.ENOSPC, f"short write: {done} of {len(data)} bytes")
+                raise OSError(errno.ENOSPC, f"short write: {done} of {total} bytes")
             done += n
+            if done < total:  # drop what went out; go on with the rest
+                while n >= len(pieces[0]):
+                    n -= len(pieces[0])
+                    pieces = pieces[1:]
+                pieces = [pieces[0][n:], *pieces[1:]]
 
     @staticmethod
     def punch(seg: Segment, offset: int, nbytes: int) -> None:

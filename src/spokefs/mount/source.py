@@ -181,7 +181,7 @@ class EmbeddedSource:
                             n += _pread_into(seg.file.fileno(), buf[n:n + seg.count],
                                              seg.offset)
                         finally:
-                            seg.file.close()
+                            seg.release()
                     else:
                         buf[n:n + len(seg)] = seg
                         n += len(seg)

@@ -11,7 +11,8 @@ The rules, in the order they apply:
   same kind (demand with demand, prefetch with prefetch), up to ``max_blocks`` blocks and
   ``max_bytes`` bytes;
 - prefetch is held to a window: a prefetch batch may go only while less than
-  ``prefetch_window`` bytes (asked for, not yet received, demand included) are outstanding,
+  ``prefetch_window`` bytes (asked for and not yet received, demand included, or received
+  and not yet written: ``backlog``, so a slow disk slows the fill, not memory) are out,
   or fewer than ``min_prefetch`` prefetch requests are (so a block larger than the window
   still moves); it takes at most a quarter of the window (or ``min_batch_bytes``, whichever
   is more), so several requests share a long link and keep it busy between them, while a
@@ -69,6 +70,7 @@ class FetchQueue:
         self.active = 0           # requests out
         self.prefetch_active = 0  # of which prefetch
         self.inflight_bytes = 0   # asked for and not yet received, every request
+        self.backlog = 0          # received, not yet written to the cache: counts too
         self._heap: list[tuple[int, int, Entry]] = []
         self._seq = itertools.count()
         self._queued = 0
@@ -120,7 +122,7 @@ class FetchQueue:
 
     def _prefetch_fits(self) -> bool:
         return (self.prefetch_window is None or self.prefetch_active < self.min_prefetch
-                or self.inflight_bytes < self.prefetch_window)
+                or self.inflight_bytes + self.backlog < self.prefetch_window)
 
     def next_batch(self) -> Batch | None:
         """The next request to send, or None if nothing may go now."""

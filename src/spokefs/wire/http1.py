@@ -281,9 +281,12 @@ class _Connection(asyncio.BufferedProtocol):
 
     def abort(self) -> None:
         # abort, not close: stop reading at once, so no late byte lands in a buffer whose
-        # owner has moved on.
+        # owner has moved on. A request still waiting here was given up by its caller.
         self.closed = True
-        self._sink = None
+        waiter, self._waiter = self._waiter, None
+        if waiter is not None and not waiter.done():
+            waiter.cancel()
+        self._reset()
         if self.transport is not None:
             self.transport.abort()
 
