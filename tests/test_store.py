@@ -175,3 +175,34 @@ def test_block_sizes_at_the_edges(tmp_path: Path, size: int) -> None:
     assert h.put(("v", 0), data)
     assert h.read(("v", 0)) == data
     h.close()
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="needs root to mount a small tmpfs")
+def test_a_full_volume_mid_segment_fails_the_write_and_keeps_nothing_torn(tmp_path: Path
+                                                                          ) -> None:
+    import subprocess
+
+    root = tmp_path / "cache"
+    root.mkdir()
+    r = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=2m", "tmpfs", str(root)],
+                       capture_output=True, text=True)
+    if r.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs: {r.stderr.strip()}")
+    try:
+        h = Harness(root, capacity=64 << 20)  # the volume, not the capacity, runs out
+        kept = [h.put((f"v{i}", 0), block(i, 300 * KiB)) for i in range(12)]
+        assert kept[0] and not all(kept)          # some fit, then the volume was full
+        assert not h.store.writable               # and the store passes data through
+        assert not h.put(("later", 0), block(99, 1000))
+        for i, ok in enumerate(kept):
+            assert h.read((f"v{i}", 0)) == (block(i, 300 * KiB) if ok else None)
+        h.store.retry_writable()                  # housekeeping tries again later
+        assert h.store.writable
+        h.close()
+        h2 = Harness(root, capacity=64 << 20)     # reopened on the full volume: whole blocks
+        assert len(h2.store) == sum(kept)
+        assert all(h2.read((f"v{i}", 0)) == block(i, 300 * KiB) for i, ok in enumerate(kept)
+                   if ok)
+        h2.close()
+    finally:
+        subprocess.run(["umount", "-l", str(root)], capture_output=True)

@@ -458,7 +458,7 @@ class Bench:
                 def warm(url: str = s.url) -> ReadResult:
                     ctl = SpokeControl(f"{url}/{ds.name}", deadline=600)
                     t0 = time.perf_counter()
-                    ctl.warm(prefix="", wait=True, progress=False, timeout=3600)
+                    ctl.warm(prefix="", wait=True, progress=False, timeout=3600, poll=0.05)
                     return ReadResult(time.perf_counter() - t0, len(ds.paths), ds.bytes)
 
                 phases.append(self.measure("warm", ds, worker_counts[0], s, warm, v.name))

@@ -30,6 +30,8 @@ from __future__ import annotations
 
 import errno
 import logging
+import os
+import secrets
 import shutil
 import sqlite3
 import threading
@@ -57,6 +59,26 @@ log = logging.getLogger(__name__)
 CHUNK = 256 * 1024
 _ZEROS = memoryview(bytes(4096))
 FORMAT = "2"  # 1: a file per block under blocks/
+
+
+INSTANCE_FILE = "instance"
+
+
+def instance_id(cache_dir: Path) -> str:
+    """The cache folder's id, made once and kept in the folder: what another process reads
+    to prove it sees this very folder (spokefs.cache.shared)."""
+    path = cache_dir / INSTANCE_FILE
+    try:
+        existing = path.read_text().strip()
+        if existing:
+            return existing
+    except FileNotFoundError:
+        pass
+    new = secrets.token_hex(16)
+    tmp = path.with_suffix(f".{os.getpid()}.tmp")
+    tmp.write_text(new + "\n")
+    tmp.replace(path)
+    return new
 
 
 def chunk_digests(data: memoryview | bytes, chunk: int = CHUNK) -> bytes:
@@ -151,6 +173,7 @@ class BlockStore:
         self._kv: dict[str, str] = {}
         self._pending: dict[int, int] = {}  # segment id -> reservations being written
         self._held: dict[BlockKey, list] = {}  # key -> [holders, Loc, removed meanwhile]
+        self.instance = ""  # the folder's id (spokefs.cache.shared), set by open()
         self._writes: list[tuple[Reservation, memoryview, bytes,
                                  Callable[[bool], None] | None]] = []
         self._writes_lock = threading.Lock()
@@ -185,6 +208,7 @@ class BlockStore:
             (self.root / "segments").mkdir()
             db = self._open_db()
             rows = []
+        self.instance = instance_id(self.root)
         self._worker = StoreWorker(db, self.fsync, self._index_failed)
         self._recover(rows)
         self._worker.start()

@@ -70,7 +70,7 @@ class SpokeControl:
 
     def warm(self, paths: Sequence[str] | None = None, prefix: str | None = None,
              pin: bool = False, wait: bool = False, progress: bool = True,
-             timeout: float | None = None) -> dict[str, Any]:
+             timeout: float | None = None, poll: float = 0.5) -> dict[str, Any]:
         """Fill the spoke with these files; with ``wait``, block until they are resident."""
         doc = self._select(paths, None, prefix)
         doc["pin"] = pin
@@ -90,4 +90,4 @@ class SpokeControl:
                 if end is not None and time.monotonic() > end:
                     raise TimeoutError(f"warm-up not done after {timeout}s: "
                                        f"{r['fraction']:.1%} resident")
-                time.sleep(0.5)
+                time.sleep(poll)

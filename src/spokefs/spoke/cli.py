@@ -6,6 +6,7 @@ import argparse
 import asyncio
 from pathlib import Path
 
+from spokefs.errors import ConfigError
 from spokefs.units import parse_duration, parse_size
 
 
@@ -49,7 +50,17 @@ def register(sub: argparse._SubParsersAction) -> None:
                        help="let prefetch use all of --prefetch-inflight and --max-inflight "
                        "instead of what the link measurably needs (readers then wait behind "
                        "prefetch on a narrow link)")
+    serve.add_argument("--workers", type=int, default=None, metavar="N",
+                       help="processes serving readers (default: the number of cores, at "
+                       "most 16): one primary fills the cache, the others serve from it too")
     serve.set_defaults(func=_serve)
+    worker = ssub.add_parser("_worker", help=argparse.SUPPRESS)
+    worker.add_argument("--role", choices=("primary", "replica"), required=True)
+    worker.add_argument("--index", type=int, required=True)
+    worker.add_argument("--listen-fd", type=int, required=True)
+    worker.add_argument("--unix", required=True)
+    worker.add_argument("--config", required=True)
+    worker.set_defaults(func=_worker)
 
 
 def _serve(args: argparse.Namespace) -> int:
@@ -62,5 +73,18 @@ def _serve(args: argparse.Namespace) -> int:
                          latest_ttl=args.latest_ttl, prefetch=not args.no_prefetch,
                          prefetch_inflight=args.prefetch_inflight,
                          pacing=not args.no_pacing)
+    from spokefs.spoke.workers import default_workers, serve_workers
+
+    workers = default_workers() if args.workers is None else args.workers
+    if workers < 1:
+        raise ConfigError(f"--workers must be at least 1, not {workers}")
+    if workers > 1:
+        return serve_workers(config, args.host, args.port, workers)
     asyncio.run(run_spoke(config, args.host, args.port))
     return 0
+
+
+def _worker(args: argparse.Namespace) -> int:
+    from spokefs.spoke.workers import run_worker
+
+    return run_worker(args.role, args.index, args.listen_fd, args.unix, args.config)

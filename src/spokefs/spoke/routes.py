@@ -1,7 +1,10 @@
-"""The spoke's own routes: announced orders, epochs, warm-up, residency, purge.
+"""The spoke's own routes: announced orders, epochs, warm-up, residency, purge, and the
+cache's locations for processes on the same host that read it directly (replica workers,
+mounts).
 
-See docs/protocol.md ("Spoke control"). Paths in a request name files of one snapshot
-(``snapshot``, default latest, resolved once); an unknown path is a 400 naming it.
+See docs/protocol.md ("Spoke control", "Reading the cache directly"). Paths in a request
+name files of one snapshot (``snapshot``, default latest, resolved once); an unknown path is
+a 400 naming it.
 """
 
 from __future__ import annotations
@@ -15,7 +18,9 @@ from aiohttp import web
 from spokefs.errors import BadRequest
 from spokefs.manifest import Manifest
 from spokefs.spoke.service import SpokeBackend
+from spokefs.wire.backend import ReadContext
 from spokefs.wire.paths import check_dataset_name
+from spokefs.wire.server import check_version, parse_block_list
 
 
 async def _body(request: web.Request) -> dict[str, Any]:
@@ -34,6 +39,19 @@ async def _body(request: web.Request) -> dict[str, Any]:
     if not isinstance(doc, dict):
         raise BadRequest("request body must be a JSON object")
     return doc
+
+
+def _read_context(doc: object) -> tuple[ReadContext, tuple[int, int]]:
+    if not isinstance(doc, dict):
+        raise BadRequest('"read" must be an object')
+    start, end, size = doc.get("start"), doc.get("end"), doc.get("size")
+    if (type(start) is not int or type(end) is not int or not 0 <= start <= end
+            or (size is not None and type(size) is not int)):
+        raise BadRequest('a read needs integers 0 <= "start" <= "end"')
+    path = doc.get("path")
+    return ReadContext(str(path) if path is not None else None, size,
+                       str(doc.get("reader", ""))[:200], str(doc.get("job", ""))[:200]), (
+        start, end)
 
 
 def _job(request: web.Request) -> str:
@@ -84,6 +102,9 @@ class SpokeRoutes:
             web.post("/v1/datasets/{ds}/warm", self.warm),
             web.post("/v1/datasets/{ds}/residency", self.residency),
             web.post("/v1/purge", self.purge),
+            web.post("/v1/datasets/{ds}/locate", self.locate),
+            web.post("/v1/datasets/{ds}/reads", self.reads),
+            web.post("/v1/workers/counts", self.counts),
         ]
 
     async def _manifest(self, ds: str, doc: dict[str, Any]) -> Manifest:
@@ -135,6 +156,48 @@ class SpokeRoutes:
         files = select_files(m, doc)
         return web.json_response({"dataset": ds, "snapshot": m.snapshot,
                                   **self.backend.residency(m, files)})
+
+    async def locate(self, request: web.Request) -> web.Response:
+        """``{"blocks": [[version, index], ...], "fetch"?: bool, "damaged"?: bool, "read"?:
+        {"start", "end", "path"?, "size"?, "reader"?, "job"?}}`` -> where each block is in the
+        cache (or null), and the cache folder's path and id (spokefs.cache.shared)."""
+        ds = check_dataset_name(request.match_info["ds"])
+        doc = await _body(request)
+        keys = parse_block_list(doc)
+        read = doc.get("read")
+        ctx = span = None
+        if read is not None:
+            ctx, span = _read_context(read)
+        if doc.get("damaged"):  # a reader found these bytes wrong: check, drop if so
+            self.backend.recheck(keys)
+        blocks = await self.backend.locate(ds, keys, bool(doc.get("fetch", False)), ctx, span)
+        return web.json_response({"cache": self.backend.cache_info(), "blocks": blocks})
+
+    async def reads(self, request: web.Request) -> web.Response:
+        """``{"reads": [[version, start, end, {context}], ...]}``: reads served elsewhere
+        from the cache, for the planner (and the eviction order)."""
+        ds = check_dataset_name(request.match_info["ds"])
+        doc = await _body(request)
+        raw = doc.get("reads")
+        if not isinstance(raw, list) or len(raw) > 100_000:
+            raise BadRequest('"reads" must be a list of [version, start, end, {context}]')
+        reads = []
+        for r in raw:
+            if (not isinstance(r, list) or len(r) != 4 or not isinstance(r[0], str)
+                    or not check_version(r[0])):
+                raise BadRequest(f"bad read {str(r)[:100]}")
+            ctx, (start, end) = _read_context({**(r[3] or {}), "start": r[1], "end": r[2]})
+            reads.append((r[0], start, end, ctx))
+        self.backend.reads_elsewhere(ds, reads)
+        return web.json_response({"reads": len(reads)})
+
+    async def counts(self, request: web.Request) -> web.Response:
+        """What a replica worker counted (hits, misses, served bytes, damaged blocks)."""
+        doc = await _body(request)
+        if not all(isinstance(v, int) for v in doc.values()):
+            raise BadRequest("counts must be integers")
+        self.backend.add_counts(doc)
+        return web.json_response({})
 
     async def purge(self, request: web.Request) -> web.Response:
         """``{}``: every block; ``{"dataset": ds}``: the dataset's; ``{"dataset": ds, "keep":

@@ -116,6 +116,7 @@ class SpokeBackend:
         self._sizes: dict[str, int] = {}  # version -> size, in front of the index
         self._just_fetched: set[BlockKey] = set()  # fetched by object_size for a waiting read
         self._last_upstream_error: str | None = None
+        self.served: Any = None  # the API's served-bytes counter (wire.server sets it)
         self.started = time.time()
 
     # -- lifecycle ---------------------------------------------------------------------------
@@ -323,12 +324,7 @@ class SpokeBackend:
         bs = (await self.dataset(name)).block_size
         indexes = blocks_in_range(start, end, bs)
         if self.prefetch is not None:
-            ctx = ctx or ReadContext()
-            known = (ctx.path, ctx.size) if ctx.path is not None else self.prefetch.path_of(
-                name, version)
-            if known is not None and known[1] is not None:
-                self.prefetch.on_read(name, known[0], version, known[1], start, end,
-                                      ctx.reader, ctx.job)
+            self._tell_planner(name, version, start, end, ctx or ReadContext())
         store, fetcher, metrics = self.store, self.fetcher, self.metrics
         # Start every missing block now (the whole range is wanted), then send in order.
         pending = {i: fetcher.want(name, (version, i), DEMAND) for i in indexes
@@ -474,6 +470,100 @@ class SpokeBackend:
             size = known[1] if known is not None else None
         return bs if size is None else max(0, min(bs, size - index * bs))
 
+    # -- other processes reading the cache (replica workers, same-host mounts) --------------
+    def cache_info(self) -> dict[str, object]:
+        return {"dir": str(self.store.root.resolve()), "id": self.store.instance,
+                "chunk_size": self.store.chunk_size}
+
+    async def locate(self, name: str, keys: list[BlockKey], fetch: bool,
+                     ctx: ReadContext | None = None, span: tuple[int, int] | None = None
+                     ) -> list[dict[str, object] | None]:
+        """Where each block is in the cache (spokefs.cache.shared), None where it is not.
+        With ``fetch``, missing blocks are fetched first (as demand) and written; a block the
+        cache could not keep stays None (the caller reads it through the spoke). ``ctx`` and
+        ``span`` describe the read, for the planner."""
+        if ctx is not None and span is not None and self.prefetch is not None and keys:
+            self._tell_planner(name, keys[0][0], span[0], span[1], ctx)
+        waits: dict[BlockKey, asyncio.Future[Block]] = {}
+        if fetch:
+            waits = {k: self.fetcher.want(name, k, DEMAND) for k in keys
+                     if k not in self.store and self.fetcher.recent(k) is None}
+        out: list[dict[str, object] | None] = []
+        for key in keys:
+            loc = self.store.get(key)
+            if loc is None and fetch:
+                block = self.fetcher.recent(key)
+                if block is None:
+                    fut = waits.get(key) or self.fetcher.want(name, key, DEMAND)
+                    block = await self._wait_fetch(fut, f"block {key[1]} of {key[0]} ({name})")
+                if block.written is not None:
+                    await asyncio.shield(block.written)
+                loc = self.store.get(key)
+            out.append(None if loc is None else {
+                "seg": loc.seg.id, "offset": loc.offset, "size": loc.size,
+                "digest": loc.digest.hex(), "chunks": loc.chunks.hex(),
+                "object_size": self.store.object_size(key[0]), "fetched": key in waits})
+        return out
+
+    def recheck(self, keys: list[BlockKey]) -> None:
+        """Another process found these blocks' bytes wrong: check them here; a damaged one
+        is dropped and counted (and fetched again by whoever asks next)."""
+        for key in keys:
+            loc = self.store.get(key)
+            if loc is not None:
+                self.store.read(key, 0, loc.size)
+
+    def reads_elsewhere(self, name: str, reads: list[tuple[str, int, int, ReadContext]]
+                        ) -> None:
+        """Reads served by another process from the cache (version, start, end, context):
+        the planner learns from them as from its own."""
+        cached = self._datasets.get(name)
+        bs = cached[1].block_size if cached is not None else DEFAULT_BLOCK_SIZE
+        for version, start, end, ctx in reads:
+            if end > start:
+                for i in blocks_in_range(start, end, bs):
+                    self.store.touch((version, i))
+            if self.prefetch is not None:
+                self._tell_planner(name, version, start, end, ctx)
+
+    async def before_scrape(self) -> None:
+        """Ask every replica worker to report what it counted, so /metrics and /v1/status
+        are exact at the moment they are read (a replica reports every 50 ms otherwise)."""
+        from spokefs.spoke.workers import replica_sockets
+
+        async def flush(path: Path) -> None:
+            client = UpstreamClient("http://spoke-replica", max_connections=1,
+                                    request_timeout=2.0, unix_socket=str(path))
+            try:
+                await client.post_json("/v1/workers/flush", {})
+            except (Transient, SpokeError) as exc:  # restarting, or gone: its counts wait
+                log.debug("replica %s did not report: %s", path.name, exc)
+            finally:
+                await client.close()
+
+        socks = replica_sockets(self.store.root)
+        if socks:
+            await asyncio.gather(*(flush(p) for p in socks))
+
+    def add_counts(self, counts: dict[str, int]) -> None:
+        """What a replica worker counted since it last said (hits, misses, bytes served,
+        damaged blocks it found): /metrics shows the whole spoke, every worker."""
+        m = self.metrics
+        m.hits.inc(max(0, int(counts.get("hits", 0))))
+        m.misses.inc(max(0, int(counts.get("misses", 0))))
+        m.integrity_failures.labels("cache").inc(max(0, int(counts.get("corrupt", 0))))
+        if self.served is not None:
+            self.served.inc(max(0, int(counts.get("served_bytes", 0))))
+
+    def _tell_planner(self, name: str, version: str, start: int, end: int,
+                      ctx: ReadContext) -> None:
+        assert self.prefetch is not None
+        known = (ctx.path, ctx.size) if ctx.path is not None else self.prefetch.path_of(
+            name, version)
+        if known is not None and known[1] is not None:
+            self.prefetch.on_read(name, known[0], version, known[1], start, end, ctx.reader,
+                                  ctx.job)
+
     # -- warm-up, residency, purge -----------------------------------------------------------
     def warm(self, m: Manifest, files: list[int], pin: bool = False) -> dict[str, int]:
         """Fetch every block of ``files`` in the background (behind demand reads), optionally
@@ -551,6 +641,7 @@ class SpokeBackend:
 
     # -- operator view -----------------------------------------------------------------------
     async def status(self) -> dict[str, object]:
+        await self.before_scrape()
         m = self.metrics
         hits, misses = m.hits._value.get(), m.misses._value.get()
         q = self.fetcher.queue

@@ -31,11 +31,20 @@ class Block:
 
 
 class UpstreamClient:
+    """``unix_socket``: reach the upstream through that socket (a spoke's replica workers
+    talk to its primary so); ``base_url`` then only names it. ``answers_final``: an error
+    answer, 5xx included, is the upstream's last word (it retried upstream itself)."""
+
     def __init__(self, base_url: str, max_connections: int = 128,
-                 request_timeout: float = 60.0) -> None:
+                 request_timeout: float = 60.0, unix_socket: str | None = None,
+                 answers_final: bool = False) -> None:
         self.base_url = base_url.rstrip("/")
+        # Every answer is final, 5xx included (a spoke's primary worker has already retried
+        # its own upstream): only a failed connection is worth retrying.
+        self.answers_final = answers_final
         self.max_connections = max_connections
         self.request_timeout = request_timeout
+        self.unix_socket = unix_socket
         self._session: aiohttp.ClientSession | None = None
         # time.monotonic() of the last bytes from the upstream: tells a slow link (bytes keep
         # coming) from a dead one (nothing for the deadline).
@@ -44,9 +53,14 @@ class UpstreamClient:
     @property
     def session(self) -> aiohttp.ClientSession:
         if self._session is None:  # created lazily inside the running loop
-            connector = aiohttp.TCPConnector(limit=self.max_connections,
-                                             limit_per_host=self.max_connections,
-                                             keepalive_timeout=120, ttl_dns_cache=300)
+            connector: aiohttp.BaseConnector
+            if self.unix_socket is not None:
+                connector = aiohttp.UnixConnector(self.unix_socket, limit=self.max_connections,
+                                                  keepalive_timeout=120)
+            else:
+                connector = aiohttp.TCPConnector(limit=self.max_connections,
+                                                 limit_per_host=self.max_connections,
+                                                 keepalive_timeout=120, ttl_dns_cache=300)
             timeout = aiohttp.ClientTimeout(total=None, sock_connect=10,
                                             sock_read=self.request_timeout)
             self._session = aiohttp.ClientSession(connector=connector, timeout=timeout,
@@ -85,7 +99,26 @@ class UpstreamClient:
 
     def _check(self, status: int, body: bytes, what: str) -> None:
         if status >= 400:
+            if self.answers_final:
+                try:
+                    doc = json.loads(body)
+                except ValueError:
+                    doc = None
+                raise from_status(status, doc, f"upstream answered {status} for {what}")
             raise_for_status(status, body, what)
+
+    async def forward(self, method: str, path: str, headers: dict[str, str], body: bytes
+                      ) -> tuple[int, dict[str, str], bytes]:
+        """Any request, answered as is (status, headers, body): for a proxy."""
+        try:
+            async with self.session.request(method, f"{self.base_url}{path}", headers=headers,
+                                            data=body or None) as resp:
+                data = await resp.read()
+                self.last_received = time.monotonic()
+                return resp.status, dict(resp.headers), data
+        except (TimeoutError, aiohttp.ClientError, OSError) as exc:
+            raise Transient(f"{type(exc).__name__}: {exc}" if str(exc) else
+                            type(exc).__name__) from exc
 
     async def get_json(self, path: str) -> dict:
         status, _, body = await self._get(path)

@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import gc
+import os
 import signal
+import socket
 import sys
 from collections.abc import Awaitable, Callable
 
@@ -28,15 +31,27 @@ def tune_for_serving() -> None:
 
 
 async def serve_forever(app: web.Application, host: str, port: int, role: str,
-                        on_ready: Callable[[str], Awaitable[None]] | None = None) -> None:
+                        on_ready: Callable[[str], Awaitable[None]] | None = None, *,
+                        sock: socket.socket | None = None, unix_path: str | None = None
+                        ) -> None:
+    """Serve ``app`` on host:port (or on ``sock``, already bound and listening: a worker of
+    several sharing one port), and also on ``unix_path`` if given, until SIGINT/SIGTERM."""
     tune_for_serving()
     # Large backlog and no access log: the hot path is small range requests.
     runner = web.AppRunner(app, access_log=None, handle_signals=False)
     await runner.setup()
-    site = web.TCPSite(runner, host, port, backlog=1024, reuse_address=True)
+    site: web.BaseSite
+    if sock is not None:
+        site = web.SockSite(runner, sock)
+    else:
+        site = web.TCPSite(runner, host, port, backlog=1024, reuse_address=True)
     await site.start()
-    sock = site._server.sockets[0]  # type: ignore[union-attr]
-    bound_host, bound_port = sock.getsockname()[:2]
+    if unix_path is not None:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(unix_path)  # left by a process that was killed
+        await web.UnixSite(runner, unix_path).start()
+    bound = site._server.sockets[0]  # type: ignore[union-attr]
+    bound_host, bound_port = bound.getsockname()[:2]
     url = f"http://{bound_host}:{bound_port}"
     # The ready line: tests, benchmarks and scripts parse it (port 0 picks a free port).
     print(f"spokefs {role} listening on {url}", flush=True)

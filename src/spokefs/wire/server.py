@@ -221,6 +221,8 @@ class Api:
                                 ["route", "status"], registry=backend.registry)
         self.bytes_served = Counter("spokefs_served_bytes", "Body bytes sent to readers",
                                     registry=backend.registry)
+        if hasattr(backend, "served"):  # a spoke adds its replica workers' bytes here
+            backend.served = self.bytes_served
         self._ok = self.requests.labels("object", "200")  # the children the hot path bumps
         self._partial = self.requests.labels("object", "206")
 
@@ -243,6 +245,9 @@ class Api:
 
     # -- JSON API ----------------------------------------------------------------------------
     async def metrics(self, request: web.Request) -> web.Response:
+        before = getattr(self.backend, "before_scrape", None)
+        if before is not None:  # a spoke gathers its replica workers' counts first
+            await before()
         body = generate_latest(self.backend.registry)
         return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_LATEST})
 

@@ -1,0 +1,353 @@
+"""A replica worker of a spoke: serves reads from the shared cache, on another core.
+
+``spokefs spoke serve --workers N`` runs one primary (the full spoke: the store, every
+upstream fetch, the planner, every write) and N-1 replicas. All of them accept readers on
+the same port. A replica keeps no cache of its own: it reads the primary's segment files
+(``spokefs.cache.shared``: every byte checked in its own buffer), learns where blocks are
+from the primary (``locate``, which fetches what is missing, as demand, and waits until it
+is written), and forwards everything else to the primary over a Unix socket. So there is
+one upstream fetch per block however many workers a block's readers reach, one place that
+orders demand before prefetch, and one writer of the cache.
+
+What the replicas see, the primary learns: reads served from the cache are reported in
+batches (for the planner and the eviction order), and their hits, misses and bytes are
+added to the primary's metrics, so /metrics and /v1/status speak for the whole spoke.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+from collections.abc import AsyncIterator
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+from aiohttp import web
+from prometheus_client import CollectorRegistry
+
+from spokefs.cache.shared import SharedCache, SharedLoc
+from spokefs.errors import (
+    NotFound,
+    SpokeError,
+    Transient,
+    UpstreamUnavailable,
+    from_status,
+)
+from spokefs.integrity import DEFAULT_BLOCK_SIZE, blocks_in_range
+from spokefs.manifest import Manifest
+from spokefs.policy import BlockKey
+from spokefs.retry import backoff_delays
+from spokefs.tasks import Tasks
+from spokefs.wire.backend import BlockPart, DatasetInfo, ManifestMemo, ReadContext, Segment
+from spokefs.wire.client import UpstreamClient
+from spokefs.wire.server import H_JOB, H_READER, build_app
+
+log = logging.getLogger(__name__)
+
+CHECK_IN_THREAD = 1 << 20
+REPORT_EVERY = 0.05      # seconds between reports of reads and counts to the primary
+PROXIED = [              # the primary's own routes: a replica forwards them as they are
+    ("GET", "/metrics"), ("GET", "/v1/status"),
+    ("POST", "/v1/datasets/{ds}/snapshots"),
+    ("POST", "/v1/datasets/{ds}/jobs/{job}/order"),
+    ("POST", "/v1/datasets/{ds}/jobs/{job}/epoch"),
+    ("DELETE", "/v1/datasets/{ds}/jobs/{job}"),
+    ("POST", "/v1/datasets/{ds}/warm"),
+    ("POST", "/v1/datasets/{ds}/residency"),
+    ("POST", "/v1/purge"),
+    ("POST", "/v1/datasets/{ds}/locate"),
+    ("POST", "/v1/datasets/{ds}/reads"),
+]
+# Not Content-Encoding: aiohttp has already inflated a gzip'd body when a replica reads it.
+_FORWARDED_HEADERS = ("Content-Type", "Range", H_READER, H_JOB)
+
+
+class ReplicaBackend:
+    role = "spoke"
+
+    def __init__(self, primary_socket: Path, deadline: float = 30.0,
+                 latest_ttl: float = 10.0) -> None:
+        self.deadline = deadline
+        self.latest_ttl = latest_ttl
+        self.registry = CollectorRegistry()
+        # The primary answers within its deadline (a 503 naming the upstream at worst):
+        # wait a little longer than that, and relay what it says.
+        self.primary = UpstreamClient("http://spoke-primary", max_connections=32,
+                                      request_timeout=deadline + 10.0,
+                                      unix_socket=str(primary_socket), answers_final=True)
+        self.tasks = Tasks()
+        self.cache: SharedCache | None = None
+        self._locs: dict[BlockKey, SharedLoc] = {}
+        self._datasets: dict[str, tuple[float, DatasetInfo]] = {}
+        self._manifests = ManifestMemo()
+        self._reads: dict[str, list[list[Any]]] = {}
+        self._counts = {"hits": 0, "misses": 0, "served_bytes": 0}
+        self._checker = ThreadPoolExecutor(2, thread_name_prefix="spokefs-check")
+        self.served: Any = None
+
+    # -- lifecycle ---------------------------------------------------------------------------
+    async def start(self) -> None:
+        self.tasks.keep(self._report_loop, "report-to-primary")
+        self.tasks.keep(self._sweep_loop, "close-deleted-segments")
+
+    async def close(self) -> None:
+        await self._report()
+        await self.tasks.close()
+        await self.primary.close()
+        self._checker.shutdown(wait=True)
+        if self.cache is not None:
+            self.cache.close()
+
+    async def _report_loop(self) -> None:
+        while True:
+            await asyncio.sleep(REPORT_EVERY)
+            await self._report()
+
+    async def _report(self) -> None:
+        """Tell the primary what was read here and what was counted (best effort: a report
+        lost while the primary restarts costs a hint and a few counts, nothing more)."""
+        reads, self._reads = self._reads, {}
+        counts = {k: v for k, v in self._counts.items() if v}
+        for k in counts:
+            self._counts[k] = 0
+        try:
+            for ds, batch in reads.items():
+                await self.primary.post_json(f"/v1/datasets/{ds}/reads", {"reads": batch})
+            if counts:
+                await self.primary.post_json("/v1/workers/counts", counts)
+        except (Transient, SpokeError) as exc:
+            log.debug("replica: report to the primary lost: %s", exc)
+
+    async def _sweep_loop(self) -> None:
+        while True:
+            await asyncio.sleep(10.0)
+            if self.cache is not None:
+                self.cache.sweep()
+
+    # -- talking to the primary --------------------------------------------------------------
+    async def _call(self, what: str, fn: Any, *args: Any) -> Any:
+        """A request to the primary, retried while it restarts, up to the deadline."""
+        end = time.monotonic() + self.deadline
+        for delay in backoff_delays(first=0.02, cap=0.5):
+            try:
+                return await fn(*args)
+            except Transient as exc:
+                left = end - time.monotonic()
+                if left <= 0:
+                    raise UpstreamUnavailable(
+                        f"the spoke's primary worker did not answer for {self.deadline:g}s "
+                        f"({what}): {exc}", "primary worker", str(exc)) from exc
+                await asyncio.sleep(min(delay, left))
+        raise AssertionError("unreachable")
+
+    async def forward(self, request: web.Request) -> web.Response:
+        """Pass a request to the primary and its answer back."""
+        headers = {h: request.headers[h] for h in _FORWARDED_HEADERS if h in request.headers}
+        body = await request.read()
+        status, rh, data = await self._call(
+            f"{request.method} {request.path}", self.primary.forward, request.method,
+            request.path_qs, headers, body)
+        out = {k: v for k, v in rh.items() if k.lower() in (
+            "content-type", "content-encoding", "etag", "cache-control", "content-range")
+            or k.lower().startswith("x-spokefs-")}
+        return web.Response(status=status, body=data, headers=out)
+
+    async def _locate(self, name: str, keys: list[BlockKey], fetch: bool,
+                      read: dict[str, Any] | None = None,
+                      fetched: set[BlockKey] | None = None) -> list[SharedLoc | None]:
+        """Ask the primary where blocks are (fetching missing ones with ``fetch``); the keys
+        it had to fetch go into ``fetched`` (misses, for the counts)."""
+        doc: dict[str, Any] = {"blocks": [list(k) for k in keys], "fetch": fetch}
+        if read is not None:
+            doc["read"] = read
+        answer = await self._call(f"the location of {len(keys)} blocks", self.primary.post_json,
+                                  f"/v1/datasets/{name}/locate", doc)
+        info = answer["cache"]
+        if self.cache is None or self.cache.id != info["id"]:
+            cache = SharedCache(Path(info["dir"]), info["id"], int(info["chunk_size"]))
+            if not cache.usable():
+                raise UpstreamUnavailable(
+                    f"this replica cannot read the spoke's cache folder {info['dir']}",
+                    "primary worker", "cache folder unreadable")
+            self.cache = cache
+        out: list[SharedLoc | None] = []
+        for key, entry in zip(keys, answer["blocks"], strict=True):
+            if fetched is not None and entry is not None and entry.get("fetched"):
+                fetched.add(key)
+            loc = self.cache.loc(entry) if entry is not None else None
+            if loc is not None:
+                self._locs[key] = loc
+            else:
+                self._locs.pop(key, None)
+            out.append(loc)
+        return out
+
+    # -- metadata (the primary's, cached here) ----------------------------------------------
+    async def datasets(self) -> list[DatasetInfo]:
+        doc = await self._call("the dataset list", self.primary.get_json, "/v1/datasets")
+        return [await self.dataset(d["name"]) for d in doc["datasets"]]
+
+    async def dataset(self, name: str) -> DatasetInfo:
+        now = time.monotonic()
+        cached = self._datasets.get(name)
+        if cached is not None and now - cached[0] < self.latest_ttl:
+            return cached[1]
+        doc = await self._call(f"dataset {name}", self.primary.get_json, f"/v1/datasets/{name}")
+        info = DatasetInfo(doc["name"], int(doc.get("block_size", DEFAULT_BLOCK_SIZE)),
+                           doc.get("latest"), list(doc.get("snapshots", [])))
+        self._datasets[name] = (now, info)
+        return info
+
+    async def resolve(self, name: str, snap: str) -> str:
+        info = await self.dataset(name)
+        if snap == "latest":
+            if info.latest is None:
+                raise NotFound(f"dataset {name!r} has no snapshot yet")
+            return info.latest
+        if any(s.get("id") == snap for s in info.snapshots):
+            return snap
+        doc = await self._call(f"snapshot {snap}", self.primary.get_json,
+                               f"/v1/datasets/{name}/snapshots/{snap}")
+        return str(doc["id"])
+
+    async def manifest_blob(self, name: str, snap_id: str) -> bytes:
+        return await self._call(f"the manifest of {name}@{snap_id}", self.primary.manifest_blob,
+                                name, snap_id)
+
+    async def manifest(self, name: str, snap_id: str) -> Manifest:
+        return (await self._manifests.get(name, snap_id, self.manifest_blob))[0]
+
+    async def create_snapshot(self, name: str) -> dict[str, object]:
+        return await self._call("a snapshot", self.primary.post_json,
+                                f"/v1/datasets/{name}/snapshots", {})
+
+    async def status(self) -> dict[str, object]:
+        return await self._call("status", self.primary.get_json, "/v1/status")
+
+    # -- data --------------------------------------------------------------------------------
+    async def object_size(self, name: str, version: str) -> int:
+        loc = self._locs.get((version, 0))
+        if loc is None:
+            loc = (await self._locate(name, [(version, 0)], fetch=True))[0]
+        if loc is None:
+            return await self._proxied_size(name, version)
+        return loc.object_size
+
+    async def block_digest(self, name: str, version: str, index: int) -> bytes | None:
+        loc = self._locs.get((version, index))
+        return None if loc is None else loc.digest
+
+    async def read(self, name: str, version: str, start: int, end: int,
+                   ctx: ReadContext | None = None) -> AsyncIterator[Segment]:
+        bs = (await self.dataset(name)).block_size
+        ctx = ctx or ReadContext()
+        keys = [(version, i) for i in blocks_in_range(start, end, bs)]
+        context = {"path": ctx.path, "size": ctx.size, "reader": ctx.reader, "job": ctx.job}
+        missing = [k for k in keys if k not in self._locs]
+        fetched: set[BlockKey] = set()
+        if missing:
+            # The primary fetches what is missing (and hears of the read, for its planner).
+            await self._locate(name, missing, fetch=True, fetched=fetched,
+                               read={**context, "start": start, "end": end})
+        else:
+            self._reads.setdefault(name, []).append([version, start, end, context])
+        for key in keys:
+            i = key[1]
+            lo = max(start, i * bs) - i * bs
+            hi = min(end, (i + 1) * bs) - i * bs
+            data = await self._read_block(name, key, lo, hi)
+            if data is None:  # the cache could not keep it: the primary passes it through
+                async for seg in self._proxied_read(name, version, i * bs + lo, i * bs + hi):
+                    yield seg
+                continue
+            self._counts["misses" if key in fetched else "hits"] += 1
+            self._counts["served_bytes"] += hi - lo
+            yield data
+
+    async def _read_block(self, name: str, key: BlockKey, lo: int, hi: int
+                          ) -> memoryview | None:
+        """Checked bytes from the cache; a failed check asks the primary again (a stale
+        location: the block moved or left), and a second one means damage, which the
+        primary is told of and heals by fetching the block again."""
+        for attempt in range(3):
+            loc = self._locs.get(key)
+            if loc is None:
+                loc = (await self._locate(name, [key], fetch=True))[0]
+                if loc is None:
+                    return None
+            assert self.cache is not None
+            if hi - lo >= CHECK_IN_THREAD:
+                data = await asyncio.get_running_loop().run_in_executor(
+                    self._checker, self.cache.read, loc, lo, hi)
+            else:
+                data = self.cache.read(loc, lo, hi)
+            if data is not None:
+                return data
+            self._locs.pop(key, None)
+            if attempt:  # the same answer twice: the bytes there are damaged (the primary
+                # checks them itself, drops and counts them)
+                await self._call("a damaged block", self.primary.post_json,
+                                 f"/v1/datasets/{name}/locate",
+                                 {"blocks": [list(key)], "fetch": False, "damaged": True})
+        return None
+
+    async def _proxied_read(self, name: str, version: str, start: int, end: int
+                            ) -> AsyncIterator[bytes]:
+        status, _, data = await self._call(
+            "a read", self.primary.forward, "GET", f"/v1/datasets/{name}/objects/{version}",
+            {"Range": f"bytes={start}-{end - 1}"}, b"")
+        if status >= 300:
+            try:
+                doc = json.loads(data)
+            except ValueError:
+                doc = None
+            raise from_status(status, doc, f"the primary answered {status}")
+        self._counts["misses"] += 1
+        self._counts["served_bytes"] += len(data)
+        yield data
+
+    async def _proxied_size(self, name: str, version: str) -> int:
+        status, headers, _ = await self._call(
+            "a size", self.primary.forward, "HEAD", f"/v1/datasets/{name}/objects/{version}",
+            {}, b"")
+        if status >= 300:
+            raise from_status(status, None, f"the primary answered {status}")
+        return int(headers.get("Content-Length", "0"))
+
+    async def read_blocks(self, name: str, blocks: list[tuple[str, int]]) -> list[BlockPart]:
+        missing = [k for k in blocks if k not in self._locs]
+        if missing:
+            await self._locate(name, missing, fetch=True)
+        parts = []
+        for key in blocks:
+            try:
+                loc = self._locs.get(key)
+                data = await self._read_block(name, key, 0, loc.size) if loc else None
+                if data is None or loc is None:
+                    raise UpstreamUnavailable(f"block {key[1]} of {key[0]} could not be kept",
+                                              "primary worker", "pass-through")
+                parts.append(BlockPart(200, data, loc.object_size, loc.digest))
+            except SpokeError as exc:
+                parts.append(BlockPart.error(exc))
+        return parts
+
+
+def build_replica_app(backend: ReplicaBackend) -> web.Application:
+    async def flush(request: web.Request) -> web.Response:
+        await backend._report()
+        return web.json_response({})
+
+    routes = [web.post("/v1/workers/flush", flush)]
+    routes += [web.route(method, path, backend.forward) for method, path in PROXIED]
+    app = build_app(backend, routes)  # type: ignore[arg-type]
+
+    async def lifecycle(app: web.Application) -> AsyncIterator[None]:
+        await backend.start()
+        yield
+        await backend.close()
+
+    app.cleanup_ctx.append(lifecycle)
+    return app
