@@ -206,3 +206,79 @@ def test_a_full_volume_mid_segment_fails_the_write_and_keeps_nothing_torn(tmp_pa
         h2.close()
     finally:
         subprocess.run(["umount", "-l", str(root)], capture_output=True)
+
+
+def test_direct_io_writes_from_aligned_buffers_read_back(tmp_path: Path) -> None:
+    import mmap
+
+    loop = asyncio.new_event_loop()
+    store = BlockStore(tmp_path, 64 << 20, make_policy("lru"), fsync=False, direct_io=True)
+    loop.run_until_complete(asyncio.to_thread(store.open, loop.call_soon_threadsafe))
+    arena = memoryview(mmap.mmap(-1, 4 << 20))  # page-aligned, as the fetcher's buffers
+    blocks = [block(i, 100_000 + 997 * i) for i in range(8)]
+
+    async def put_all() -> list[bool]:
+        futs, at = [], 0
+        for i, data in enumerate(blocks):
+            res = store.reserve((f"v{i}", 0), len(data), "ds")
+            assert res is not None
+            arena[at:at + len(data)] = data
+            padded = arena[at:at + (len(data) + 4095) // 4096 * 4096]
+            done: asyncio.Future[bool] = loop.create_future()
+            store.write(res, arena[at:at + len(data)], xxhash.xxh3_128_digest(data),
+                        done.set_result, padded=padded)
+            futs.append(done)
+            at += len(padded)
+        return list(await asyncio.gather(*futs))
+
+    assert all(loop.run_until_complete(put_all()))
+    seg = next(iter(store._segs.segments.values()))
+    assert seg.dfd is not None  # this filesystem takes direct I/O: it was used
+    for i, data in enumerate(blocks):
+        got = store.read((f"v{i}", 0), 0, len(data))
+        assert got is not None and bytes(got) == data
+    store.close()
+    loop.close()
+    h = Harness(tmp_path)  # reopened: the blocks are whole on disk
+    assert all(h.read((f"v{i}", 0)) == data for i, data in enumerate(blocks))
+    h.close()
+
+
+@pytest.mark.parametrize("direct_io", [False, True])
+def test_aligned_and_unaligned_writes_mix_in_either_mode(tmp_path: Path, direct_io: bool
+                                                         ) -> None:
+    """Blocks given page-aligned (the fetcher's) and plain ones (anyone's), written in one
+    gathered batch: every one lands, whichever way the store writes."""
+    import mmap
+
+    loop = asyncio.new_event_loop()
+    store = BlockStore(tmp_path, 64 << 20, make_policy("lru"), fsync=False,
+                       direct_io=direct_io)
+    loop.run_until_complete(asyncio.to_thread(store.open, loop.call_soon_threadsafe))
+    arena = memoryview(mmap.mmap(-1, 4 << 20))
+    blocks = [block(i, 50_000 + 4096 * (i % 3)) for i in range(9)]
+
+    async def put_all() -> list[bool]:
+        futs, at = [], 0
+        for i, data in enumerate(blocks):
+            res = store.reserve((f"v{i}", 0), len(data), "ds")
+            assert res is not None
+            done: asyncio.Future[bool] = loop.create_future()
+            if i % 2:  # every other one aligned and padded
+                arena[at:at + len(data)] = data
+                padded = arena[at:at + (len(data) + 4095) // 4096 * 4096]
+                store.write(res, arena[at:at + len(data)], xxhash.xxh3_128_digest(data),
+                            done.set_result, padded=padded)
+                at += len(padded)
+            else:
+                store.write(res, memoryview(data), xxhash.xxh3_128_digest(data),
+                            done.set_result)
+            futs.append(done)
+        return list(await asyncio.gather(*futs))
+
+    assert all(loop.run_until_complete(put_all()))
+    for i, data in enumerate(blocks):
+        got = store.read((f"v{i}", 0), 0, len(data))
+        assert got is not None and bytes(got) == data
+    store.close()
+    loop.close()

@@ -338,6 +338,7 @@ class Phase:
     loop_lag_p99_ms: float | None
     upstream_bytes: float | None
     errors: list[str]
+    upstream: dict[str, float] | None = None  # requests and blocks, demand and prefetch
 
     def figures(self) -> dict[str, Any]:
         gib = self.bytes / 2**30
@@ -356,7 +357,8 @@ class Phase:
             "hub_cpu_ms_per_block": round(1000 * self.hub_cpu_s / self.blocks, 3)
             if self.blocks else None,
             "loop_lag_p50_ms": self.loop_lag_p50_ms, "loop_lag_p99_ms": self.loop_lag_p99_ms,
-            "upstream_bytes": self.upstream_bytes, "errors": self.errors[:5],
+            "upstream_bytes": self.upstream_bytes, "upstream_requests": self.upstream,
+            "errors": self.errors[:5],
             "load_avg": round(os.getloadavg()[0], 2),
         }
 
@@ -416,16 +418,21 @@ class Bench:
         h1 = tree_cpu_s(self.hub.proc.pid)
         s1 = tree_cpu(spid) if spid else None
         after = scrape(spoke.url) if spoke is not None else {}
-        up = None
+        def delta(name: str) -> float:
+            return sum(v for k, v in after.items() if k.startswith(name)) - sum(
+                v for k, v in before.items() if k.startswith(name))
+
+        up = requests = None
         if spoke is not None:
-            up = sum(v for k, v in after.items()
-                     if k.startswith("spokefs_upstream_bytes_total")) - sum(
-                v for k, v in before.items() if k.startswith("spokefs_upstream_bytes_total"))
+            up = delta("spokefs_upstream_bytes_total")
+            requests = {f"{k}_{kind}": delta(f'spokefs_upstream_{k}_total{{kind="{kind}"}}')
+                        for k in ("requests", "blocks") for kind in ("demand", "prefetch")
+                        if f'spokefs_upstream_{k}_total{{kind="{kind}"}}' in after}
         spoke_sys = round(s1[1] - s0[1], 2) if s0 is not None and s1 is not None else None
         phase = Phase(name, variant, workers, result.seconds, ds.blocks(), result.bytes,
                       round(sum(s1) - sum(s0), 2) if s0 is not None and s1 is not None else None,
                       spoke_sys, h1 - h0, r1 - r0, _ms(lag_quantile(before, after, 0.5)),
-                      _ms(lag_quantile(before, after, 0.99)), up, result.errors)
+                      _ms(lag_quantile(before, after, 0.99)), up, result.errors, requests)
         f = phase.figures()
         print(f"  {ds.name:5s} {name:7s} {variant:5s} workers={workers or '-'}: "
               f"{f['seconds']:7.2f} s "

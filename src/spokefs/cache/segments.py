@@ -77,12 +77,18 @@ def check_hole_punching(folder: Path) -> None:
 class Segment:
     """One segment file: its descriptor, the append tail, its live blocks."""
 
-    __slots__ = ("fd", "file", "held", "id", "live", "live_bytes", "path", "size", "tail")
+    __slots__ = ("dfd", "fd", "file", "held", "id", "live", "live_bytes", "path", "size",
+                 "tail")
 
-    def __init__(self, seg_id: int, path: Path, fd: int, size: int, tail: int = 0) -> None:
+    def __init__(self, seg_id: int, path: Path, fd: int, size: int, tail: int = 0,
+                 direct: bool = False) -> None:
         self.id = seg_id
         self.path = path
         self.fd = fd
+        # The same file opened for direct I/O (None where the filesystem cannot, or not
+        # wanted): blocks are written with it from page-aligned buffers, not copied into the
+        # page cache.
+        self.dfd = _open_direct(path) if direct else None
         # A file object over the same descriptor, for sendfile (which wants one).
         self.file = open(fd, "rb", buffering=0, closefd=False)  # noqa: SIM115
         self.size = size
@@ -108,15 +114,26 @@ class Segment:
     def close(self) -> None:
         self.file.close()
         os.close(self.fd)
+        if self.dfd is not None:
+            os.close(self.dfd)
+
+
+def _open_direct(path: Path) -> int | None:
+    try:
+        return os.open(path, os.O_WRONLY | os.O_DIRECT)
+    except OSError:  # EINVAL: no direct I/O on this filesystem (tmpfs before Linux 6.6)
+        return None
 
 
 class SegmentFiles:
     """The segment files of one cache folder; not thread-safe (the store's loop owns it),
     except ``write``, which a writer thread calls for a region it was given."""
 
-    def __init__(self, folder: Path, segment_bytes: int = SEGMENT_BYTES) -> None:
+    def __init__(self, folder: Path, segment_bytes: int = SEGMENT_BYTES,
+                 direct: bool = False) -> None:
         self.folder = folder
         self.segment_bytes = segment_bytes
+        self.direct = direct
         self.segments: dict[int, Segment] = {}
         self.current: Segment | None = None
         self.next_id = 1
@@ -138,7 +155,7 @@ class SegmentFiles:
     def open_existing(self, seg_id: int, path: Path) -> Segment:
         fd = os.open(path, os.O_RDWR)
         size = os.fstat(fd).st_size
-        seg = Segment(seg_id, path, fd, size, tail=size)  # full: new blocks go elsewhere
+        seg = Segment(seg_id, path, fd, size, tail=size, direct=self.direct)  # full: no appends
         self.segments[seg_id] = seg
         self.next_id = max(self.next_id, seg_id + 1)
         return seg
@@ -161,7 +178,7 @@ class SegmentFiles:
         fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
         try:
             os.ftruncate(fd, size)  # sparse: costs no disk until written
-            seg = Segment(seg_id, path, fd, size)
+            seg = Segment(seg_id, path, fd, size, direct=self.direct)
         except BaseException:
             os.close(fd)
             path.unlink(missing_ok=True)
@@ -171,14 +188,17 @@ class SegmentFiles:
         return seg
 
     @staticmethod
-    def write_many(seg: Segment, offset: int, pieces: list[memoryview]) -> None:
+    def write_many(seg: Segment, offset: int, pieces: list[memoryview],
+                   direct: bool = False) -> None:
         """Write pieces back to back from ``offset`` with one ``pwritev`` (more if the kernel
-        takes less); any thread. OSError on a full or failing disk (a short write on a full
-        volume, which the kernel reports as a count, included)."""
+        takes less); any thread. ``direct``: with direct I/O (every piece page-aligned in
+        memory and a multiple of 4 KiB long). OSError on a full or failing disk (a short
+        write on a full volume, which the kernel reports as a count, included)."""
         total = sum(len(p) for p in pieces)
+        fd = seg.dfd if direct and seg.dfd is not None else seg.fd
         done = 0
         while done < total:
-            n = os.pwritev(seg.fd, pieces, offset + done)
+            n = os.pwritev(fd, pieces, offset + done)
             if n <= 0:
                 raise OSError(errno.ENOSPC, f"short write: {done} of {total} bytes")
             done += n

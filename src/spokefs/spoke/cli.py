@@ -50,6 +50,11 @@ def register(sub: argparse._SubParsersAction) -> None:
                        help="let prefetch use all of --prefetch-inflight and --max-inflight "
                        "instead of what the link measurably needs (readers then wait behind "
                        "prefetch on a narrow link)")
+    serve.add_argument("--write-io", choices=("auto", "direct", "buffered"), default="auto",
+                       help="how fetched blocks are written: direct (past the page cache; "
+                       "for caches larger than memory), buffered (through it: a block read "
+                       "soon after is a memory read), auto (direct when --cache-size is over "
+                       "half the memory; the default)")
     serve.add_argument("--workers", type=int, default=None, metavar="N",
                        help="processes serving readers (default: the number of cores, at "
                        "most 16): one primary fills the cache, the others serve from it too")
@@ -72,7 +77,7 @@ def _serve(args: argparse.Namespace) -> int:
                          max_inflight=args.max_inflight, fsync=not args.no_fsync,
                          latest_ttl=args.latest_ttl, prefetch=not args.no_prefetch,
                          prefetch_inflight=args.prefetch_inflight,
-                         pacing=not args.no_pacing)
+                         pacing=not args.no_pacing, write_io=args.write_io)
     from spokefs.spoke.workers import default_workers, serve_workers
 
     workers = default_workers() if args.workers is None else args.workers

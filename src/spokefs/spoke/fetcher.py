@@ -32,6 +32,7 @@ from typing import Any
 
 import xxhash
 
+from spokefs.cache.segments import aligned
 from spokefs.cache.store import BlockStore, chunk_digests
 from spokefs.errors import (
     IntegrityError,
@@ -60,7 +61,7 @@ class Block:
     or the view for as long as you like). ``written`` resolves to whether the store kept
     it (None: it will not be kept)."""
 
-    __slots__ = ("chunks", "digest", "object_size", "view", "written")
+    __slots__ = ("chunks", "digest", "object_size", "padded", "view", "written")
 
     def __init__(self, view: memoryview, digest: bytes, object_size: int,
                  chunks: bytes | None = None) -> None:
@@ -68,6 +69,7 @@ class Block:
         self.digest = digest
         self.object_size = object_size
         self.chunks = chunks
+        self.padded: memoryview | None = None  # the bytes page-aligned, up to 4 KiB more
         self.written: asyncio.Future[bool] | None = None
 
     @property
@@ -265,13 +267,19 @@ class Fetcher:
     async def _request(self, batch: Batch) -> None:
         fetches = [self._fetches[e.key] for e in batch.entries]
         ds = batch.group
+        kind = "prefetch" if batch.prefetch else "demand"
+        self.metrics.upstream_requests.labels(kind).inc()
+        self.metrics.upstream_blocks.labels(kind).inc(len(fetches))
         body = json.dumps({"blocks": [list(f.key) for f in fetches]}).encode()
         bufs: dict[int, memoryview] = {}
+        padded: dict[int, memoryview] = {}
         done: set[int] = set()
         first_byte: list[float] = []
         # One buffer for the batch's expected bytes, carved into its blocks (one allocation,
         # not one per block); a block that does not fit gets its own.
-        arena = memoryview(self.arenas.take(batch.size))
+        # Blocks start on 4 KiB boundaries of a page-aligned buffer: the store can write
+        # them with direct I/O straight from here.
+        arena = memoryview(self.arenas.take(batch.size + 4096 * len(fetches)))
         used = 0
 
         def begin(h: FrameHeader) -> memoryview | None:
@@ -280,9 +288,11 @@ class Fetcher:
                 return None
             if not first_byte:
                 first_byte.append(time.monotonic())
-            if used + h.length <= len(arena):
+            room = aligned(h.length)
+            if used + room <= len(arena):
                 buf = arena[used:used + h.length]
-                used += h.length
+                padded[h.seq] = arena[used:used + room]
+                used += room
             else:
                 buf = memoryview(bytearray(h.length))
             bufs[h.seq] = buf
@@ -292,7 +302,8 @@ class Fetcher:
             if h.seq >= len(fetches) or h.seq in done:
                 raise ValueError(f"frame {h.seq} was not asked for or came twice")
             done.add(h.seq)
-            self._frame(fetches[h.seq], h, payload, bufs.pop(h.seq, None), batch.prefetch)
+            self._frame(fetches[h.seq], h, payload, bufs.pop(h.seq, None), batch.prefetch,
+                        padded.pop(h.seq, None))
 
         def arrived(n: int) -> None:
             if self.link is not None:
@@ -332,7 +343,7 @@ class Fetcher:
         self._pump()
 
     def _frame(self, f: Fetch, h: FrameHeader, payload: memoryview, buf: memoryview | None,
-               prefetch: bool) -> None:
+               prefetch: bool, padded: memoryview | None = None) -> None:
         if h.status != 200:
             try:
                 doc = json.loads(bytes(payload))
@@ -348,15 +359,15 @@ class Fetcher:
         self.metrics.upstream_bytes.labels("prefetch" if prefetch else "demand").inc(h.length)
         chunk = self.store.chunk_size
         if h.length < HASH_IN_THREAD:
-            self._checked(f, h, buf, _digests(payload, chunk))
+            self._checked(f, h, buf, _digests(payload, chunk), padded)
             return
         if self._hasher is None:
             self._hasher = ThreadPoolExecutor(2, thread_name_prefix="spokefs-hash")
         fut = asyncio.get_running_loop().run_in_executor(self._hasher, _digests, payload, chunk)
-        fut.add_done_callback(lambda d: self._checked(f, h, buf, d.result()))
+        fut.add_done_callback(lambda d: self._checked(f, h, buf, d.result(), padded))
 
     def _checked(self, f: Fetch, h: FrameHeader, buf: memoryview,
-                 digests: tuple[bytes, bytes]) -> None:
+                 digests: tuple[bytes, bytes], padded: memoryview | None) -> None:
         if digests[0] != h.digest:
             f.bad += 1
             self.metrics.integrity_failures.labels("upstream").inc()
@@ -369,7 +380,9 @@ class Fetcher:
             else:
                 self._requeue(f)
             return
-        self._end(f, block=Block(buf, h.digest, h.object_size, digests[1]))
+        block = Block(buf, h.digest, h.object_size, digests[1])
+        block.padded = padded
+        self._end(f, block=block)
 
     # -- ends ----------------------------------------------------------------------------------
     def _end(self, f: Fetch, block: Block | None = None,
@@ -404,7 +417,8 @@ class Fetcher:
                 block.written.set_result(kept)
                 self.finished(key, kept)
 
-            self.store.write(res, block.view, block.digest, written, block.chunks)
+            self.store.write(res, block.view, block.digest, written, block.chunks,
+                             block.padded)
         if not f.future.done():
             f.future.set_result(block)
 

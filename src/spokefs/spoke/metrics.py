@@ -13,6 +13,11 @@ class SpokeMetrics:
                               "resident", registry=r)
         self.upstream_bytes = Counter("spokefs_upstream_bytes", "Bytes fetched from upstream",
                                       ["reason"], registry=r)
+        self.upstream_requests = Counter("spokefs_upstream_requests", "Requests to the "
+                                         "upstream (a batch read carries many blocks)",
+                                         ["kind"], registry=r)
+        self.upstream_blocks = Counter("spokefs_upstream_blocks", "Blocks asked of the "
+                                       "upstream", ["kind"], registry=r)
         self.upstream_errors = Counter("spokefs_upstream_errors", "Failed upstream requests",
                                        ["kind"], registry=r)
         self.fetch_seconds = Histogram(
