@@ -160,11 +160,11 @@ async def test_coalescer_forgets_a_failed_block() -> None:
     await c.close()
 
 
-async def test_range_client_reads_into_buffers_and_maps_errors() -> None:
+async def test_data_client_reads_into_buffers_and_maps_errors() -> None:
     from aiohttp import web
 
     from spokefs.errors import NotFound, RangeNotSatisfiable
-    from spokefs.mount.http import RangeClient
+    from spokefs.wire.http1 import DataClient
 
     blob = random.Random(5).randbytes(300_000)
 
@@ -198,11 +198,11 @@ async def test_range_client_reads_into_buffers_and_maps_errors() -> None:
     site = web.TCPSite(runner, "127.0.0.1", 0)
     await site.start()
     port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
-    client = RangeClient(f"http://127.0.0.1:{port}")
+    client = DataClient(f"http://127.0.0.1:{port}")
     try:
         buf = bytearray(70_000)
         for off in (0, 1, 123_456, 250_000):  # kept-alive connection reused throughout
-            n = await client.read_into("/o/x", off, memoryview(buf))
+            n, _ = await client.read_into("/o/x", off, memoryview(buf))
             assert bytes(buf[:n]) == blob[off:off + 70_000]
         assert len(client._all) == 1
         with pytest.raises(RangeNotSatisfiable):
@@ -213,7 +213,7 @@ async def test_range_client_reads_into_buffers_and_maps_errors() -> None:
             await client.read_into("/o/busy", 0, memoryview(buf))
         with pytest.raises(Transient, match="closed"):
             await client.read_into("/o/cut", 0, memoryview(buf))
-        n = await client.read_into("/o/x", 5, memoryview(buf))  # still works afterwards
+        n, _ = await client.read_into("/o/x", 5, memoryview(buf))  # still works afterwards
         assert bytes(buf[:n]) == blob[5:70_005]
     finally:
         await client.close()
@@ -626,3 +626,104 @@ def test_embedded_cache_reads_a_hub_directly(stack: tuple[Path, ServerProcess],
             for off in (0, 5_000_000, len(src) - 100):
                 assert os.pread(f.fileno(), 200_000, off) == src[off:off + 200_000]
     assert blocks_on_disk(cache), "the embedded cache kept nothing"
+
+
+# -- the short circuit: reading the spoke's cache files on its own host ----------------------
+def _metric(base: str, name: str) -> float:
+    import urllib3
+
+    text = urllib3.request("GET", f"{base}/metrics").data.decode()
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+               if line.startswith(name) and not line.startswith("#"))
+
+
+def _own_spoke(stack: tuple[Path, ServerProcess], tmp_path: Path, *extra: str) -> ServerProcess:
+    hub_url = stack[1].args[stack[1].args.index("--upstream") + 1]
+    return spoke(hub_url, tmp_path / "cache", "1GiB", *extra)
+
+
+@needs_fuse
+def test_short_circuit_reads_resident_blocks_from_the_cache_files(
+        stack: tuple[Path, ServerProcess], tmp_path: Path) -> None:
+    ds = stack[0]
+    mp = tmp_path / "mnt"
+    mp.mkdir()
+    with _own_spoke(stack, tmp_path) as s, MountProcess(f"{s.url}/ds", mp) as m:
+        assert any("short circuit on" in line for line in m.output), "".join(m.output)
+        names = sorted(p.relative_to(ds).as_posix() for p in (ds / "many").iterdir())[:50]
+        for name in names:  # misses: the spoke fetches, the mount reads its cache files
+            assert (mp / name).read_bytes() == (ds / name).read_bytes()
+        served = _metric(s.url, "spokefs_served_bytes_total")
+        assert served < sum((ds / n).stat().st_size for n in names)  # not through HTTP
+        big = "shards/shard-002.tar"
+        src = (ds / big).read_bytes()
+        with open(mp / big, "rb", buffering=0) as f:
+            for off in (0, 4_194_000, 17_000_000, len(src) - 10):
+                assert os.pread(f.fileno(), 300_000, off) == src[off:off + 300_000]
+        assert _metric(s.url, "spokefs_integrity_failures_total") == 0
+
+
+@needs_fuse
+def test_short_circuit_never_serves_a_damaged_block(stack: tuple[Path, ServerProcess],
+                                                    tmp_path: Path) -> None:
+    import urllib3
+
+    ds = stack[0]
+    mp = tmp_path / "mnt"
+    mp.mkdir()
+    name = "shards/shard-000.tar"
+    src = (ds / name).read_bytes()
+    with _own_spoke(stack, tmp_path) as s:
+        assert urllib3.request("GET", f"{s.url}/ds/{name}").data == src  # resident now
+        end = time.monotonic() + 10
+        while len(blocks_on_disk(tmp_path / "cache")) < 3 and time.monotonic() < end:
+            time.sleep(0.02)  # the index is committed in batches
+        for b in blocks_on_disk(tmp_path / "cache"):  # flip a byte in every block
+            with open(b.path, "r+b") as f:
+                at = b.offset + b.size // 3
+                byte = os.pread(f.fileno(), 1, at)
+                os.pwrite(f.fileno(), bytes([byte[0] ^ 0x55]), at)
+        with MountProcess(f"{s.url}/ds", mp) as m:
+            assert any("short circuit on" in line for line in m.output)
+            assert (mp / name).read_bytes() == src  # detected, refetched, never served
+        assert _metric(s.url, "spokefs_integrity_failures_total") >= 1
+
+
+@needs_fuse
+def test_short_circuit_read_of_an_evicted_block_refetches(stack: tuple[Path, ServerProcess],
+                                                          tmp_path: Path) -> None:
+    import urllib3
+
+    ds = stack[0]
+    mp = tmp_path / "mnt"
+    mp.mkdir()
+    big = "shards/shard-002.tar"  # 21 MB: six blocks
+    src = (ds / big).read_bytes()
+    # A cache of three blocks: reading other files evicts what the mount located.
+    with _own_spoke(stack, tmp_path, "--cache-size", "13MiB") as s, \
+            MountProcess(f"{s.url}/ds", mp) as m, open(mp / big, "rb", buffering=0) as f:
+        assert any("short circuit on" in line for line in m.output)
+        assert os.pread(f.fileno(), 1000, 0) == src[:1000]   # block 0 located and read
+        for other in ("shards/shard-001.tar", "shards/shard-000.tar"):
+            assert urllib3.request("GET", f"{s.url}/ds/{other}").data == (ds / other).read_bytes()
+        assert _metric(s.url, "spokefs_cache_evictions_total") > 0
+        # Another part of block 0 (not in the kernel's cache yet): its old location now
+        # reads as freed space, fails its check, is asked again and fetched again.
+        assert os.pread(f.fileno(), 1000, 3_000_000) == src[3_000_000:3_001_000]
+        assert _metric(s.url, "spokefs_integrity_failures_total") == 0  # stale is not damage
+
+
+@needs_fuse
+def test_a_mount_that_cannot_see_the_spokes_folder_reads_over_http(
+        stack: tuple[Path, ServerProcess], tmp_path: Path) -> None:
+    ds = stack[0]
+    mp = tmp_path / "mnt"
+    mp.mkdir()
+    with _own_spoke(stack, tmp_path) as s:
+        # As on another host where the same path names another folder: its id differs.
+        (tmp_path / "cache" / "instance").write_text("0" * 32 + "\n")
+        with MountProcess(f"{s.url}/ds", mp) as m:
+            assert any("short circuit off" in line for line in m.output), "".join(m.output)
+            name = "class1/img0001.jpg"
+            assert (mp / name).read_bytes() == (ds / name).read_bytes()
+            assert _metric(s.url, "spokefs_served_bytes_total") == (ds / name).stat().st_size

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from spokefs.cache.segments import SegmentFiles
-from spokefs.cache.store import CHUNK, INSTANCE_FILE, read_loc
+from spokefs.cache.store import CHUNK, INSTANCE_FILE, read_loc, read_loc_into
 
 
 class _Segment:
@@ -93,6 +93,11 @@ class SharedCache:
              scratch: bytearray | None = None) -> memoryview | None:
         """Checked bytes [lo, hi) of a block, or None (stale or damaged: ask the spoke)."""
         return read_loc(loc, lo, hi, self.chunk_size, scratch)  # type: ignore[arg-type]
+
+    def read_into(self, loc: SharedLoc, lo: int, out: memoryview,
+                  scratch: bytearray | None = None) -> bool:
+        """Fill ``out`` with checked bytes of a block from ``lo``; False: stale or damaged."""
+        return read_loc_into(loc, lo, out, self.chunk_size, scratch)  # type: ignore[arg-type]
 
     def sweep(self) -> int:
         """Close segments the spoke deleted (an open descriptor keeps the file); how many."""

@@ -125,6 +125,31 @@ def read_loc(loc: Loc, lo: int, hi: int, chunk: int = CHUNK,
     return buf[lo - a:hi - a]
 
 
+def read_loc_into(loc: Loc, lo: int, out: memoryview, chunk: int = CHUNK,
+                  scratch: bytearray | None = None) -> bool:
+    """Fill ``out`` with checked bytes [lo, lo+len(out)) of a block: read in place when the
+    range is whole chunks (a streaming read), else through ``scratch``; False if they do
+    not match their digests. Safe in any thread."""
+    hi = lo + len(out)
+    if lo % chunk == 0 and (hi % chunk == 0 or hi == loc.size):
+        try:
+            if loc.seg.read(loc.offset + lo, out) != len(out):
+                return False
+        except OSError:
+            return False
+        d, want = xxhash.xxh3_64_digest, loc.chunks
+        for c in range(lo // chunk, (hi - 1) // chunk + 1):
+            at = c * chunk - lo
+            if d(out[at:at + chunk]) != want[8 * c:8 * c + 8]:
+                return False
+        return True
+    data = read_loc(loc, lo, hi, chunk, scratch)
+    if data is None:
+        return False
+    out[:] = data
+    return True
+
+
 @dataclass(slots=True, eq=False)
 class Reservation:
     """Room for one block being fetched: a region of a segment, counted against capacity."""
@@ -637,7 +662,9 @@ class BlockStore:
         return self._segs.disk_bytes()
 
     def stats(self) -> dict[str, object]:
-        return {"blocks": len(self._records), "used_bytes": self.used,
+        return {"dir": str(self.root.resolve()), "id": self.instance,
+                "chunk_size": self.chunk_size, "blocks": len(self._records),
+                "used_bytes": self.used,
                 "data_bytes": self.data_bytes,
                 "capacity_bytes": self.capacity, "reserved_bytes": self.reserved,
                 "segments": len(self._segs.segments), "writable": self.writable,

@@ -54,6 +54,10 @@ def register(sub: argparse._SubParsersAction) -> None:
     m.add_argument("--read-ahead-kb", type=int, default=None, metavar="KB",
                    help="kernel readahead of the mount in KiB; sets the size of the reads the "
                    "kernel asks for (default 4096; needs root, else the kernel's 128)")
+    m.add_argument("--no-short-circuit", action="store_true",
+                   help="read everything over HTTP, even on the spoke's own host (by default "
+                   "the mount reads resident blocks from the spoke's cache files, checking "
+                   "every byte, when it can read them)")
     m.add_argument("--log-file", type=Path,
                    help="where a background mount logs (default "
                    "~/.local/state/spokefs/mount/NAME-HASH.log)")
@@ -79,7 +83,8 @@ def _mount(args: argparse.Namespace) -> int:
     opts = MountOptions(url=args.url, mountpoint=args.mountpoint, cache_dir=args.cache_dir,
                         cache_size=args.cache_size or 0, deadline=args.deadline,
                         allow_other=args.allow_other,
-                        read_ahead_kb=args.read_ahead_kb or DEFAULT_READ_AHEAD_KB)
+                        read_ahead_kb=args.read_ahead_kb or DEFAULT_READ_AHEAD_KB,
+                        short_circuit=not args.no_short_circuit)
     if not args.foreground:
         return _daemonise(args)
     return _foreground(opts, args.ready_fd)
@@ -119,6 +124,8 @@ def _daemonise(args: argparse.Namespace) -> int:
         cmd.append("--allow-other")
     if args.read_ahead_kb is not None:
         cmd += ["--read-ahead-kb", str(args.read_ahead_kb)]
+    if args.no_short_circuit:
+        cmd.append("--no-short-circuit")
     cmd += [args.url, str(args.mountpoint.absolute())]
     with open(log_file, "ab") as log:
         child = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=log, stderr=log,

@@ -46,6 +46,7 @@ class MountOptions:
     deadline: float = 30.0
     allow_other: bool = False
     read_ahead_kb: int = DEFAULT_READ_AHEAD_KB
+    short_circuit: bool = True         # read the spoke's cache files when on its host
 
 
 def fuse_options(opts: MountOptions) -> set[str]:
@@ -59,7 +60,7 @@ def make_source(opts: MountOptions) -> Source:
     target = Target.parse(opts.url)
     if opts.cache_dir is not None:
         return EmbeddedSource(target, opts.cache_dir, opts.cache_size, opts.deadline)
-    return UpstreamSource(target, opts.deadline)
+    return UpstreamSource(target, opts.deadline, short_circuit=opts.short_circuit)
 
 
 def clear_stale(mountpoint: Path) -> None:

@@ -10,6 +10,7 @@ again as soon as the upstream is back.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import os
 import re
@@ -18,12 +19,20 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol, TypeVar
 
-from spokefs.errors import ConfigError, RangeNotSatisfiable, SpokeError, UpstreamUnavailable
+from spokefs.cache.shared import SharedCache, SharedLoc
+from spokefs.cache.store import CHUNK
+from spokefs.errors import (
+    ConfigError,
+    RangeNotSatisfiable,
+    SpokeError,
+    Transient,
+    UpstreamUnavailable,
+)
 from spokefs.manifest import Manifest
-from spokefs.mount.http import RangeClient
 from spokefs.retry import backoff_delays
 from spokefs.wire.backend import FileSegment
-from spokefs.wire.client import Transient, UpstreamClient
+from spokefs.wire.client import UpstreamClient
+from spokefs.wire.http1 import DataClient
 
 log = logging.getLogger(__name__)
 
@@ -93,18 +102,23 @@ async def retry_until(deadline: float, what: str, attempt: Callable[[], Awaitabl
 
 class UpstreamSource:
     """Reads through a spoke or hub: metadata with ``UpstreamClient``, bytes with ranged GETs
-    into the mount's buffers (``RangeClient``), both on kept-alive connections."""
+    into the mount's buffers (``DataClient``), both on kept-alive connections. On the
+    spoke's own host, resident blocks are read from the spoke's cache files instead
+    (``ShortCircuit``), and only what is missing goes over HTTP."""
 
-    def __init__(self, target: Target, deadline: float = 30.0, max_connections: int = 32
-                 ) -> None:
+    def __init__(self, target: Target, deadline: float = 30.0, max_connections: int = 32,
+                 short_circuit: bool = True) -> None:
         self.target = target
         self.deadline = deadline
         # The per-request timeout is the deadline too: a hung upstream cannot outlast it.
         self.client = UpstreamClient(target.base, max_connections=4,
                                      request_timeout=max(deadline, 1.0))
         # The lean reader speaks plain http only; https goes through aiohttp (one copy more).
-        self.ranges = (RangeClient(target.base, max_connections=max_connections)
+        self.ranges = (DataClient(target.base, max_connections=max_connections,
+                                  idle_timeout=max(deadline, 1.0))
                        if target.base.startswith("http://") else None)
+        self.want_short_circuit = short_circuit
+        self.local: ShortCircuit | None = None
 
     async def open(self) -> Manifest:
         t = self.target
@@ -116,10 +130,18 @@ class UpstreamSource:
             if not snap:
                 raise ConfigError(f"dataset {t.dataset!r} at {t.base} has no snapshot yet; "
                                   "run `spokefs hub snapshot` first")
-        return await retry_until(self.deadline, f"manifest of {t.dataset}@{snap}",
-                                 lambda: self.client.manifest(t.dataset, snap))
+        m = await retry_until(self.deadline, f"manifest of {t.dataset}@{snap}",
+                              lambda: self.client.manifest(t.dataset, snap))
+        if self.want_short_circuit:
+            self.local = await ShortCircuit.probe(self.client, t.dataset, m.block_size,
+                                                  self.deadline)
+        return m
 
     async def read_into(self, version: str, start: int, buf: memoryview) -> int:
+        if self.local is not None:
+            n = await self.local.read_into(version, start, buf)
+            if n is not None:
+                return n
         path = f"/v1/datasets/{self.target.dataset}/objects/{version}"
         what = f"{self.target.dataset} {version} [{start},{start + len(buf)})"
         try:
@@ -132,16 +154,169 @@ class UpstreamSource:
 
     async def _read_into(self, path: str, version: str, start: int, buf: memoryview) -> int:
         if self.ranges is not None:
-            return await self.ranges.read_into(path, start, buf)
+            return (await self.ranges.read_into(path, start, buf))[0]
         block = await self.client.read_range(self.target.dataset, version, start,
                                              start + len(buf))
         buf[:len(block.data)] = block.data
         return len(block.data)
 
     async def close(self) -> None:
+        if self.local is not None:
+            await self.local.close()
         if self.ranges is not None:
             await self.ranges.close()
         await self.client.close()
+
+
+class ShortCircuit:
+    """Reading the spoke's cache files directly, when the mount runs on the spoke's host
+    (``spokefs.cache.shared``): the spoke says where blocks are (``locate``, which fetches
+    missing ones first), the mount reads them and checks every byte against the digests the
+    spoke gave, in its own buffer. A read whose block moved or left (its check fails) asks
+    again; one that fails twice is reported as damaged, and the read goes over HTTP. Reads
+    served here are reported to the spoke in batches, so its planner goes on learning."""
+
+    REPORT_EVERY = 0.05
+    IN_THREAD = 1 << 20  # a read this large is done off the event loop
+
+    def __init__(self, client: UpstreamClient, dataset: str, block_size: int,
+                 cache: SharedCache, deadline: float) -> None:
+        self.client = client
+        self.dataset = dataset
+        self.block_size = block_size
+        self.cache = cache
+        self.deadline = deadline
+        self.reader = f"mount-{os.getpid()}"
+        self._locs: dict[tuple[str, int], SharedLoc] = {}
+        self._reads: list[list[object]] = []
+        self._reporter: asyncio.Task[None] | None = None
+        self._sweeper: asyncio.TimerHandle | None = None
+        self.hits = self.located = self.fallbacks = 0
+
+    @classmethod
+    async def probe(cls, client: UpstreamClient, dataset: str, block_size: int,
+                    deadline: float) -> ShortCircuit | None:
+        """A short circuit if the upstream is a spoke whose cache folder this process can
+        read (the same host and folder: the id it keeps there matches); else None."""
+        try:
+            status = await client.get_json("/v1/status")
+        except (Transient, SpokeError) as exc:
+            log.info("short circuit off: the spoke's status is unavailable (%s)", exc)
+            return None
+        info = status.get("cache") if status.get("role") == "spoke" else None
+        if not isinstance(info, dict) or not info.get("dir") or not info.get("id"):
+            return None  # a hub: nothing cached to read
+        cache = SharedCache(Path(str(info["dir"])), str(info["id"]),
+                            int(info.get("chunk_size") or CHUNK))
+        if not cache.usable():
+            log.info("short circuit off: cannot read the spoke's cache at %s from here "
+                     "(another host or container, or no permission); reading over HTTP",
+                     info["dir"])
+            return None
+        log.info("short circuit on: reading resident blocks from the spoke's cache at %s",
+                 info["dir"])
+        return cls(client, dataset, block_size, cache, deadline)
+
+    async def read_into(self, version: str, start: int, buf: memoryview) -> int | None:
+        """Fill ``buf`` from bytes ``start`` on of a version; the count, or None to read it
+        over HTTP instead (a block the spoke could not keep, a damaged one, the spoke down)."""
+        bs = self.block_size
+        end = start + len(buf)
+        keys = [(version, i) for i in range(start // bs, (end - 1) // bs + 1)]
+        missing = [k for k in keys if k not in self._locs]
+        if missing:
+            if not await self._locate(missing, fetch=True, read=(version, start, end)):
+                return None
+        else:
+            self._report(version, start, end)
+        n = 0
+        for key in keys:
+            i = key[1]
+            lo = max(start, i * bs) - i * bs
+            loc = self._locs.get(key)
+            if loc is None:
+                return None
+            hi = min(end - i * bs, loc.size)
+            if hi <= lo:
+                break
+            if not await self._read_block(key, lo, buf[n:n + hi - lo]):
+                self.fallbacks += 1
+                return None
+            n += hi - lo
+            if hi < min(bs, end - i * bs):  # the last block of the file: done
+                break
+        self.hits += 1
+        return n
+
+    async def _read_block(self, key: tuple[str, int], lo: int, out: memoryview) -> bool:
+        for attempt in range(2):
+            loc = self._locs.get(key)
+            if loc is None and not await self._locate([key], fetch=True):
+                return False
+            loc = self._locs.get(key)
+            if loc is None:
+                return False
+            if len(out) >= self.IN_THREAD:
+                ok = await asyncio.to_thread(self.cache.read_into, loc, lo, out)
+            else:
+                ok = self.cache.read_into(loc, lo, out)
+            if ok:
+                return True
+            self._locs.pop(key, None)  # stale (evicted, moved) or damaged: ask again
+            if attempt:
+                await self._post("locate", {"blocks": [list(key)], "damaged": True})
+        return False
+
+    async def _locate(self, keys: list[tuple[str, int]], fetch: bool,
+                      read: tuple[str, int, int] | None = None) -> bool:
+        doc: dict[str, object] = {"blocks": [list(k) for k in keys], "fetch": fetch}
+        if read is not None:
+            doc["read"] = {"start": read[1], "end": read[2], "reader": self.reader}
+        answer = await self._post("locate", doc)
+        if answer is None or answer.get("cache", {}).get("id") != self.cache.id:
+            return False  # the spoke is down, or restarted on another folder
+        self.located += len(keys)
+        for key, entry in zip(keys, answer["blocks"], strict=True):
+            loc = self.cache.loc(entry) if entry is not None else None
+            if loc is None:
+                self._locs.pop(key, None)
+            else:
+                self._locs[key] = loc
+        return True
+
+    async def _post(self, what: str, doc: dict[str, object]) -> dict | None:
+        try:
+            async with asyncio.timeout(self.deadline + 5.0):
+                return await self.client.post_json(f"/v1/datasets/{self.dataset}/{what}", doc)
+        except (Transient, SpokeError, TimeoutError) as exc:
+            log.debug("short circuit: %s failed (%s); reading over HTTP", what, exc)
+            return None
+
+    def _report(self, version: str, start: int, end: int) -> None:
+        self._reads.append([version, start, end, {"reader": self.reader}])
+        if self._reporter is None or self._reporter.done():
+            self._reporter = asyncio.get_running_loop().create_task(self._send_reports())
+        if self._sweeper is None:
+            self._sweeper = asyncio.get_running_loop().call_later(10.0, self._sweep)
+
+    async def _send_reports(self) -> None:
+        await asyncio.sleep(self.REPORT_EVERY)  # gather what comes meanwhile
+        reads, self._reads = self._reads, []
+        if reads:
+            await self._post("reads", {"reads": reads})
+
+    def _sweep(self) -> None:
+        self._sweeper = None
+        self.cache.sweep()
+
+    async def close(self) -> None:
+        if self._reporter is not None and not self._reporter.done():
+            self._reporter.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._reporter
+        if self._sweeper is not None:
+            self._sweeper.cancel()
+        self.cache.close()
 
 
 class EmbeddedSource:

@@ -87,8 +87,9 @@ class Arenas:
     thread is used (anonymous memory, faulted in by reading /dev/zero into it: in the kernel,
     without the GIL), and another spare is made."""
 
-    def __init__(self, keep: int = 512, tries: int = 8) -> None:
-        self.keep = keep
+    def __init__(self, keep_bytes: int = 512 << 20, tries: int = 8) -> None:
+        self.keep_bytes = keep_bytes
+        self.kept = 0
         self.tries = tries
         self._ring: collections.deque[mmap.mmap] = collections.deque()
         self._spare: dict[int, list[mmap.mmap]] = {}
@@ -104,12 +105,13 @@ class Arenas:
             if len(a) >= n and sys.getrefcount(a) == 3:
                 return a
             del a
-        size = 1 << max(17, (n - 1).bit_length())
+        size = _size_class(n)
         spare = self._spare.get(size)
         a = spare.pop() if spare else mmap.mmap(-1, size)
         self._make_spare(size)
-        if len(ring) < self.keep:
+        if self.kept + size <= self.keep_bytes:  # else used once and freed
             ring.append(a)
+            self.kept += size
         return a
 
     def _make_spare(self, size: int) -> None:
@@ -130,6 +132,13 @@ class Arenas:
     def close(self) -> None:
         if self._maker is not None:
             self._maker.shutdown(wait=False, cancel_futures=True)
+
+
+def _size_class(n: int) -> int:
+    """Powers of two up to 1 MiB, then whole MiB: a 4 MiB batch takes 4 MiB, not 8."""
+    if n <= 1 << 20:
+        return 1 << max(17, (n - 1).bit_length())
+    return (n + (1 << 20) - 1) & ~((1 << 20) - 1)
 
 
 def _faulted(size: int) -> mmap.mmap:
@@ -279,7 +288,7 @@ class Fetcher:
         # not one per block); a block that does not fit gets its own.
         # Blocks start on 4 KiB boundaries of a page-aligned buffer: the store can write
         # them with direct I/O straight from here.
-        arena = memoryview(self.arenas.take(batch.size + 4096 * len(fetches)))
+        arena = memoryview(self.arenas.take(sum(aligned(e.size) for e in batch.entries)))
         used = 0
 
         def begin(h: FrameHeader) -> memoryview | None:

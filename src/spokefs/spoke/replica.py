@@ -80,6 +80,7 @@ class ReplicaBackend:
                                       unix_socket=str(primary_socket), answers_final=True)
         self.tasks = Tasks()
         self.cache: SharedCache | None = None
+        self._unshared = False  # the cache folder is not readable here: all reads proxied
         self._locs: dict[BlockKey, SharedLoc] = {}
         self._datasets: dict[str, tuple[float, DatasetInfo]] = {}
         self._manifests = ManifestMemo()
@@ -169,10 +170,15 @@ class ReplicaBackend:
         if self.cache is None or self.cache.id != info["id"]:
             cache = SharedCache(Path(info["dir"]), info["id"], int(info["chunk_size"]))
             if not cache.usable():
-                raise UpstreamUnavailable(
-                    f"this replica cannot read the spoke's cache folder {info['dir']}",
-                    "primary worker", "cache folder unreadable")
+                # Not the folder the primary writes (a container without it, a changed id):
+                # every read goes through the primary instead.
+                if not self._unshared:
+                    log.error("replica: cannot read the spoke's cache folder %s; reading "
+                              "through the primary", info["dir"])
+                self._unshared = True
+                return [None] * len(keys)
             self.cache = cache
+            self._unshared = False
         out: list[SharedLoc | None] = []
         for key, entry in zip(keys, answer["blocks"], strict=True):
             if fetched is not None and entry is not None and entry.get("fetched"):
@@ -276,9 +282,8 @@ class ReplicaBackend:
             loc = self._locs.get(key)
             if loc is None:
                 loc = (await self._locate(name, [key], fetch=True))[0]
-                if loc is None:
+                if loc is None or self.cache is None:
                     return None
-            assert self.cache is not None
             if hi - lo >= CHECK_IN_THREAD:
                 data = await asyncio.get_running_loop().run_in_executor(
                     self._checker, self.cache.read, loc, lo, hi)
@@ -305,9 +310,7 @@ class ReplicaBackend:
             except ValueError:
                 doc = None
             raise from_status(status, doc, f"the primary answered {status}")
-        self._counts["misses"] += 1
-        self._counts["served_bytes"] += len(data)
-        yield data
+        yield data  # counted by the primary, which served it
 
     async def _proxied_size(self, name: str, version: str) -> int:
         status, headers, _ = await self._call(
