@@ -192,6 +192,7 @@ class ShortCircuit:
         self._reporter: asyncio.Task[None] | None = None
         self._sweeper: asyncio.TimerHandle | None = None
         self.hits = self.located = self.fallbacks = 0
+        self._located_bytes = 0  # read here after a locate: bytes to tell the spoke of
 
     @classmethod
     async def probe(cls, client: UpstreamClient, dataset: str, block_size: int,
@@ -224,7 +225,7 @@ class ShortCircuit:
         end = start + len(buf)
         keys = [(version, i) for i in range(start // bs, (end - 1) // bs + 1)]
         missing = [k for k in keys if k not in self._locs]
-        if missing:
+        if missing:  # the spoke hears of this read (and counts it) with the locate
             if not await self._locate(missing, fetch=True, read=(version, start, end)):
                 return None
         else:
@@ -246,6 +247,9 @@ class ShortCircuit:
             if hi < min(bs, end - i * bs):  # the last block of the file: done
                 break
         self.hits += 1
+        if missing:
+            self._located_bytes += n
+            self._report()
         return n
 
     async def _read_block(self, key: tuple[str, int], lo: int, out: memoryview) -> bool:
@@ -285,15 +289,22 @@ class ShortCircuit:
         return True
 
     async def _post(self, what: str, doc: dict[str, object]) -> dict | None:
+        """The spoke's answer; None if it refused or failed at once (then the read goes over
+        HTTP); ReadFailed if it gave no answer within the mount's deadline (the read would
+        only wait again over HTTP: the caller answers EIO now)."""
         try:
-            async with asyncio.timeout(self.deadline + 5.0):
+            async with asyncio.timeout(self.deadline):
                 return await self.client.post_json(f"/v1/datasets/{self.dataset}/{what}", doc)
-        except (Transient, SpokeError, TimeoutError) as exc:
+        except TimeoutError as exc:
+            raise ReadFailed(f"the spoke gave no answer within {self.deadline:g}s ({what})"
+                             ) from exc
+        except (Transient, SpokeError) as exc:
             log.debug("short circuit: %s failed (%s); reading over HTTP", what, exc)
             return None
 
-    def _report(self, version: str, start: int, end: int) -> None:
-        self._reads.append([version, start, end, {"reader": self.reader}])
+    def _report(self, version: str | None = None, start: int = 0, end: int = 0) -> None:
+        if version is not None:
+            self._reads.append([version, start, end, {"reader": self.reader}])
         if self._reporter is None or self._reporter.done():
             self._reporter = asyncio.get_running_loop().create_task(self._send_reports())
         if self._sweeper is None:
@@ -302,8 +313,10 @@ class ShortCircuit:
     async def _send_reports(self) -> None:
         await asyncio.sleep(self.REPORT_EVERY)  # gather what comes meanwhile
         reads, self._reads = self._reads, []
-        if reads:
-            await self._post("reads", {"reads": reads})
+        extra, self._located_bytes = self._located_bytes, 0
+        if reads or extra:
+            with contextlib.suppress(ReadFailed):  # a report lost costs a hint, no more
+                await self._post("reads", {"reads": reads, "by": "mount", "bytes": extra})
 
     def _sweep(self) -> None:
         self._sweeper = None

@@ -38,6 +38,9 @@ class SpokeMetrics:
                                     "writes, 0 while it passes data through", registry=r)
         self.inflight = Gauge("spokefs_upstream_inflight", "Upstream requests in flight",
                               registry=r)
+        self.short_circuit_bytes = Counter("spokefs_short_circuit_bytes", "Bytes mounts on "
+                                           "this host read from the cache files directly",
+                                           registry=r)
         self.task_failures = Counter("spokefs_task_failures", "Background tasks that failed "
                                      "(restarted where they must not stop)", ["task"],
                                      registry=r)

@@ -85,7 +85,7 @@ class ReplicaBackend:
         self._datasets: dict[str, tuple[float, DatasetInfo]] = {}
         self._manifests = ManifestMemo()
         self._reads: dict[str, list[list[Any]]] = {}
-        self._counts = {"hits": 0, "misses": 0, "served_bytes": 0}
+        self._counts = {"served_bytes": 0}  # hits and misses: counted with reads, locates
         self._checker = ThreadPoolExecutor(2, thread_name_prefix="spokefs-check")
         self.served: Any = None
 
@@ -157,10 +157,8 @@ class ReplicaBackend:
         return web.Response(status=status, body=data, headers=out)
 
     async def _locate(self, name: str, keys: list[BlockKey], fetch: bool,
-                      read: dict[str, Any] | None = None,
-                      fetched: set[BlockKey] | None = None) -> list[SharedLoc | None]:
-        """Ask the primary where blocks are (fetching missing ones with ``fetch``); the keys
-        it had to fetch go into ``fetched`` (misses, for the counts)."""
+                      read: dict[str, Any] | None = None) -> list[SharedLoc | None]:
+        """Ask the primary where blocks are (fetching missing ones with ``fetch``)."""
         doc: dict[str, Any] = {"blocks": [list(k) for k in keys], "fetch": fetch}
         if read is not None:
             doc["read"] = read
@@ -181,8 +179,6 @@ class ReplicaBackend:
             self._unshared = False
         out: list[SharedLoc | None] = []
         for key, entry in zip(keys, answer["blocks"], strict=True):
-            if fetched is not None and entry is not None and entry.get("fetched"):
-                fetched.add(key)
             loc = self.cache.loc(entry) if entry is not None else None
             if loc is not None:
                 self._locs[key] = loc
@@ -253,10 +249,10 @@ class ReplicaBackend:
         keys = [(version, i) for i in blocks_in_range(start, end, bs)]
         context = {"path": ctx.path, "size": ctx.size, "reader": ctx.reader, "job": ctx.job}
         missing = [k for k in keys if k not in self._locs]
-        fetched: set[BlockKey] = set()
         if missing:
-            # The primary fetches what is missing (and hears of the read, for its planner).
-            await self._locate(name, missing, fetch=True, fetched=fetched,
+            # The primary fetches what is missing (and hears of the read, for its planner
+            # and its counts).
+            await self._locate(name, missing, fetch=True,
                                read={**context, "start": start, "end": end})
         else:
             self._reads.setdefault(name, []).append([version, start, end, context])
@@ -269,8 +265,8 @@ class ReplicaBackend:
                 async for seg in self._proxied_read(name, version, i * bs + lo, i * bs + hi):
                     yield seg
                 continue
-            self._counts["misses" if key in fetched else "hits"] += 1
-            self._counts["served_bytes"] += hi - lo
+            if missing:  # a reported read's bytes are counted by the primary
+                self._counts["served_bytes"] += hi - lo
             yield data
 
     async def _read_block(self, name: str, key: BlockKey, lo: int, hi: int

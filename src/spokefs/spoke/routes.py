@@ -174,8 +174,9 @@ class SpokeRoutes:
         return web.json_response({"cache": self.backend.cache_info(), "blocks": blocks})
 
     async def reads(self, request: web.Request) -> web.Response:
-        """``{"reads": [[version, start, end, {context}], ...]}``: reads served elsewhere
-        from the cache, for the planner (and the eviction order)."""
+        """``{"reads": [[version, start, end, {context}], ...], "by"?: "mount", "bytes"?:
+        n}``: reads served elsewhere from the cache, for the planner (and the eviction
+        order, and the counts; ``bytes``: more bytes read so, of reads already told of)."""
         ds = check_dataset_name(request.match_info["ds"])
         doc = await _body(request)
         raw = doc.get("reads")
@@ -188,7 +189,11 @@ class SpokeRoutes:
                 raise BadRequest(f"bad read {str(r)[:100]}")
             ctx, (start, end) = _read_context({**(r[3] or {}), "start": r[1], "end": r[2]})
             reads.append((r[0], start, end, ctx))
-        self.backend.reads_elsewhere(ds, reads)
+        extra = doc.get("bytes", 0)
+        if type(extra) is not int or extra < 0:
+            raise BadRequest('"bytes" must be an integer >= 0')
+        self.backend.reads_elsewhere(ds, reads, by_mount=doc.get("by") == "mount",
+                                     extra_bytes=extra)
         return web.json_response({"reads": len(reads)})
 
     async def counts(self, request: web.Request) -> web.Response:

@@ -489,13 +489,18 @@ class SpokeBackend:
         """Where each block is in the cache (spokefs.cache.shared), None where it is not.
         With ``fetch``, missing blocks are fetched first (as demand) and written; a block the
         cache could not keep stays None (the caller reads it through the spoke). ``ctx`` and
-        ``span`` describe the read, for the planner."""
+        ``span`` describe the read, for the planner, and make it count: a hit or a miss per
+        block, as if this spoke had served it (what a replica or a mount reads elsewhere is
+        part of what the spoke does)."""
         if ctx is not None and span is not None and self.prefetch is not None and keys:
             self._tell_planner(name, keys[0][0], span[0], span[1], ctx)
         waits: dict[BlockKey, asyncio.Future[Block]] = {}
         if fetch:
             waits = {k: self.fetcher.want(name, k, DEMAND) for k in keys
                      if k not in self.store and self.fetcher.recent(k) is None}
+        if ctx is not None:
+            self.metrics.misses.inc(len(waits))
+            self.metrics.hits.inc(len(keys) - len(waits))
         out: list[dict[str, object] | None] = []
         for key in keys:
             loc = self.store.get(key)
@@ -521,18 +526,26 @@ class SpokeBackend:
             if loc is not None:
                 self.store.read(key, 0, loc.size)
 
-    def reads_elsewhere(self, name: str, reads: list[tuple[str, int, int, ReadContext]]
-                        ) -> None:
+    def reads_elsewhere(self, name: str, reads: list[tuple[str, int, int, ReadContext]],
+                        by_mount: bool = False, extra_bytes: int = 0) -> None:
         """Reads served by another process from the cache (version, start, end, context):
-        the planner learns from them as from its own."""
+        the planner learns from them as from its own, and each block counts as a hit; the
+        bytes count as served (a replica worker's) or short-circuited (a mount's)."""
         cached = self._datasets.get(name)
         bs = cached[1].block_size if cached is not None else DEFAULT_BLOCK_SIZE
+        nbytes = extra_bytes
         for version, start, end, ctx in reads:
             if end > start:
+                nbytes += end - start
                 for i in blocks_in_range(start, end, bs):
                     self.store.touch((version, i))
+                    self.metrics.hits.inc()
             if self.prefetch is not None:
                 self._tell_planner(name, version, start, end, ctx)
+        if by_mount:
+            self.metrics.short_circuit_bytes.inc(nbytes)
+        elif self.served is not None:
+            self.served.inc(nbytes)
 
     async def before_scrape(self) -> None:
         """Ask every replica worker to report what it counted, so /metrics and /v1/status
@@ -554,12 +567,8 @@ class SpokeBackend:
             await asyncio.gather(*(flush(p) for p in socks))
 
     def add_counts(self, counts: dict[str, int]) -> None:
-        """What a replica worker counted since it last said (hits, misses, bytes served,
-        damaged blocks it found): /metrics shows the whole spoke, every worker."""
-        m = self.metrics
-        m.hits.inc(max(0, int(counts.get("hits", 0))))
-        m.misses.inc(max(0, int(counts.get("misses", 0))))
-        m.integrity_failures.labels("cache").inc(max(0, int(counts.get("corrupt", 0))))
+        """What a replica worker counted since it last said (bytes served; its hits and
+        misses come with its reads and locates): /metrics shows the whole spoke."""
         if self.served is not None:
             self.served.inc(max(0, int(counts.get("served_bytes", 0))))
 
