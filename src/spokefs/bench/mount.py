@@ -1,18 +1,33 @@
-"""``spokefs bench mount``: reads through the FUSE mount next to reading the spoke's own
-cache files directly, in the same run, on the same bytes.
+"""``spokefs bench mount``: reads through the FUSE mount next to the same reads of the same
+bytes from local files ("direct"), in one run.
 
-Hub and spoke run as processes on 127.0.0.1; the mount reads through the spoke. After one pass
-that fills the spoke's cache, each phase runs twice: with the page cache dropped (cold: every
-byte comes from the spoke, and the spoke's files from disk), then again at once (warm: the
-kernel's page cache, which the mount keeps across opens). "direct" reads the spoke's block
-files (CACHE_DIR/blocks/**) with the same read sizes: the ceiling for this machine.
+Hub, spoke and mount run as processes on 127.0.0.1 over one dataset with two folders:
+``large/`` (big files) and ``small/`` (many 128 KiB files in 100 folders). After one pass
+that fills the spoke's cache through the mount, three patterns run in each state:
+
+- ``seq``: 1 MiB reads through every large file (GB/s, latency p50/p99);
+- ``rand``: random 128 KiB reads at 4 KiB-aligned offsets of the large files (p50/p99/max);
+- ``small``: reader threads reading every small file whole, once (files/s).
+
+States: ``cold`` (the kernel's page cache dropped: every byte comes from the spoke's files
+on disk), ``spoke_hot`` (only the mount's pages dropped: a spoke with RAM to spare),
+``warm`` (each pattern again at once after its cold run: the kernel keeps the mount's pages
+across opens).
+"direct" reads the dataset's own files with the same code, cold and warm. Each mount phase
+also records the CPU the mount and the spoke spent (from /proc): per GiB, per file.
+
+``--variants`` runs the mount phases once per way of reading: ``sc`` (the default mount:
+the short circuit reads the spoke's cache files) and ``http`` (``--no-short-circuit``: every
+byte through the spoke over HTTP), for an A/B in one run.
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import queue
 import random
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -23,25 +38,37 @@ from spokefs.units import parse_size
 SEQ_READ = 1 << 20          # sequential phase: 1 MiB reads
 RAND_READ = 128 * 1024      # random phase: 128 KiB reads at 4 KiB-aligned offsets
 GOALS = {"seq_GBps": 1.0, "rand_128KiB_p99_ms": 3.0}
+RATIO_GOALS = {"seq_GBps": 0.9, "small_files_per_s": 0.7}  # mount / direct, every state
+STATES = ("cold", "spoke_hot", "warm")
 
 
 def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
-        "mount", help="FUSE mount vs the spoke's cache files: GB/s, p50, p99",
+        "mount", help="FUSE mount vs local files: GB/s, p99, small files/s, CPU",
         description="Start a hub and a spoke on 127.0.0.1, mount the dataset through the "
-        "spoke, fill the cache, then measure sequential 1 MiB reads and random 128 KiB reads "
-        "through the mount and directly on the spoke's block files, with the page cache "
-        "dropped (needs root; else evicted per file) and warm. Writes DIR/results.json.")
+        "spoke, fill the cache, then measure sequential 1 MiB reads, random 128 KiB reads "
+        "and whole small files through the mount and directly on local copies of the same "
+        "files, with the page cache dropped (needs root; else evicted per file), the "
+        "spoke's files hot, and warm. Writes DIR/results.json.")
     p.add_argument("--out", required=True, type=Path, help="results folder")
     p.add_argument("--work-dir", type=Path,
                    help="where the dataset, cache and mountpoint go (default OUT/work)")
     p.add_argument("--files", type=int, default=4, help="big files in the dataset (default 4)")
     p.add_argument("--file-size", type=parse_size, default=parse_size("256MiB"),
-                   help="size of each file (default 256MiB)")
+                   help="size of each big file (default 256MiB)")
+    p.add_argument("--small-files", type=int, default=20_000,
+                   help="small files (default 20000; 0 skips the phase)")
+    p.add_argument("--small-size", type=parse_size, default=128 * 1024,
+                   help="size of each small file (default 128KiB)")
+    p.add_argument("--readers", type=int, default=8,
+                   help="threads reading small files (default 8)")
     p.add_argument("--random-reads", type=int, default=2000,
                    help="random 128 KiB reads per phase (default 2000)")
     p.add_argument("--read-ahead-kb", type=int, default=None,
                    help="the mount's readahead (default: the mount's own default)")
+    p.add_argument("--variants", default="sc,http",
+                   help="ways the mount reads, comma-separated: sc (short circuit, the "
+                   "default mount), http (--no-short-circuit); default sc,http")
     p.add_argument("--seed", type=int, default=1)
     p.set_defaults(func=run)
 
@@ -55,16 +82,24 @@ class Phase:
     rand_128KiB_p50_ms: float
     rand_128KiB_p99_ms: float
     rand_128KiB_max_ms: float
+    small_files_per_s: float | None
+    cpu: dict[str, float]  # process -> CPU seconds per pattern, per GiB, per file
 
-    def to_json(self) -> dict[str, float]:
-        return {k: round(v, 4) for k, v in self.__dict__.items()}
+    def to_json(self) -> dict[str, Any]:
+        out: dict[str, Any] = {k: (round(v, 4) if isinstance(v, float) else v)
+                               for k, v in self.__dict__.items() if k != "cpu"}
+        out.update({k: round(v, 4) for k, v in self.cpu.items()})
+        return out
 
 
-def _make_dataset(root: Path, files: int, size: int, seed: int) -> None:
+# -- datasets --------------------------------------------------------------------------------
+def _make_large(root: Path, files: int, size: int, seed: int) -> list[Path]:
     rng = random.Random(seed)
     root.mkdir(parents=True, exist_ok=True)
+    out = []
     for i in range(files):
         path = root / f"shard-{i:04d}.bin"
+        out.append(path)
         if path.exists() and path.stat().st_size == size:
             continue  # reuse a dataset from an earlier run in the same work dir
         with open(path, "wb") as f:
@@ -73,8 +108,17 @@ def _make_dataset(root: Path, files: int, size: int, seed: int) -> None:
                 n = min(left, 8 << 20)
                 f.write(rng.randbytes(n))
                 left -= n
+    return out
 
 
+def _make_small(root: Path, files: int, size: int, seed: int) -> list[Path]:
+    from spokefs.bench.dataplane import make_small
+
+    ds = make_small(root, files, size, 100, seed)
+    return [root / p for p in ds.paths]
+
+
+# -- page cache ------------------------------------------------------------------------------
 def _drop_page_cache(paths: list[Path]) -> str:
     """Drop the page cache (root), else evict these files; the method used."""
     os.sync()
@@ -86,7 +130,18 @@ def _drop_page_cache(paths: list[Path]) -> str:
         return "fadvise_dontneed (not root: the spoke's files stay in the page cache)"
 
 
-def _sequential(paths: list[Path]) -> tuple[float, list[float]]:
+def _evict(paths: list[Path]) -> str:
+    for p in paths:
+        fd = os.open(p, os.O_RDONLY)
+        try:
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
+    return "fadvise_dontneed"
+
+
+# -- the patterns ----------------------------------------------------------------------------
+def _sequential(paths: list[Path]) -> tuple[float, list[float], int]:
     lat: list[float] = []
     total = 0
     t0 = time.perf_counter()
@@ -102,10 +157,10 @@ def _sequential(paths: list[Path]) -> tuple[float, list[float]]:
                 total += n
         finally:
             os.close(fd)
-    return total / (time.perf_counter() - t0) / 1e9, lat
+    return total / (time.perf_counter() - t0) / 1e9, lat, total
 
 
-def _random(paths: list[Path], n: int, seed: int) -> tuple[float, list[float]]:
+def _random(paths: list[Path], n: int, seed: int) -> tuple[float, list[float], int]:
     rng = random.Random(seed)
     fds = [(os.open(p, os.O_RDONLY), p.stat().st_size) for p in paths]
     plan = []
@@ -124,133 +179,212 @@ def _random(paths: list[Path], n: int, seed: int) -> tuple[float, list[float]]:
     finally:
         for fd, _ in fds:
             os.close(fd)
-    return total / wall / 1e9, lat
+    return total / wall / 1e9, lat, total
 
 
-def _summary(seq: tuple[float, list[float]], rnd: tuple[float, list[float]]) -> Phase:
+def _small(paths: list[Path], readers: int) -> tuple[float, int]:
+    """Files per second for ``readers`` threads reading every file whole, once."""
+    todo: queue.SimpleQueue[Path | None] = queue.SimpleQueue()
+    for p in paths:
+        todo.put(p)
+    for _ in range(readers):
+        todo.put(None)
+    done = [0]
+    lock = threading.Lock()
+
+    def reader() -> None:
+        n = 0
+        while (p := todo.get()) is not None:
+            fd = os.open(p, os.O_RDONLY)
+            try:
+                while os.read(fd, 1 << 20):
+                    pass
+            finally:
+                os.close(fd)
+            n += 1
+        with lock:
+            done[0] += n
+
+    threads = [threading.Thread(target=reader) for _ in range(readers)]
+    t0 = time.perf_counter()
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return done[0] / (time.perf_counter() - t0), done[0]
+
+
+class CpuMeter:
+    """CPU seconds of some processes (and their children) across a pattern."""
+
+    def __init__(self, pids: dict[str, int]) -> None:
+        from spokefs.bench.dataplane import tree_cpu_s
+
+        self.pids = pids
+        self.read = tree_cpu_s
+        self.start: dict[str, float] = {}
+
+    def __enter__(self) -> CpuMeter:
+        self.start = {k: self.read(p) for k, p in self.pids.items()}
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.used = {k: self.read(p) - self.start[k] for k, p in self.pids.items()}
+
+
+def _states(large: list[Path], small: list[Path], args: argparse.Namespace,
+            pids: dict[str, int], prepare: Any) -> tuple[Phase, Phase]:
+    """Each pattern after ``prepare()`` (which empties caches, or not), then at once again
+    (warm): (the prepared state, warm)."""
     from spokefs.bench.common import percentile
 
-    sms = [x * 1e3 for x in seq[1]]
-    rms = [x * 1e3 for x in rnd[1]]
-    return Phase(seq[0], percentile(sms, 50), percentile(sms, 99), rnd[0],
-                 percentile(rms, 50), percentile(rms, 99), max(rms))
+    runs: dict[str, list[Any]] = {"seq": [], "rand": [], "small": []}
+    cpu: list[dict[str, float]] = [{}, {}]
+    prepare()
+    for k in range(2):
+        with CpuMeter(pids) as m:
+            runs["seq"].append(_sequential(large))
+        nbytes = runs["seq"][-1][2]
+        for name, v in m.used.items():
+            cpu[k][f"{name}_cpu_s_per_GiB_seq"] = v / (nbytes / 2**30) if nbytes else 0.0
+    prepare()
+    for _ in range(2):
+        runs["rand"].append(_random(large, args.random_reads, args.seed))
+    if small:
+        prepare()
+        for k in range(2):
+            with CpuMeter(pids) as m:
+                runs["small"].append(_small(small, args.readers))
+            n = runs["small"][-1][1]
+            for name, v in m.used.items():
+                cpu[k][f"{name}_cpu_ms_per_file"] = 1000 * v / n if n else 0.0
+                cpu[k][f"{name}_cpu_s_per_GiB_small"] = (
+                    v / (n * args.small_size / 2**30) if n else 0.0)
+    phases = []
+    for k in range(2):
+        seq, rnd = runs["seq"][k], runs["rand"][k]
+        sms = [x * 1e3 for x in seq[1]]
+        rms = [x * 1e3 for x in rnd[1]]
+        phases.append(Phase(seq[0], percentile(sms, 50), percentile(sms, 99), rnd[0],
+                            percentile(rms, 50), percentile(rms, 99), max(rms),
+                            runs["small"][k][0] if small else None, cpu[k]))
+    return phases[0], phases[1]
 
 
-def _measure(paths: list[Path], evict: list[Path], n_random: int, seed: int,
-             drop: bool) -> tuple[dict[str, Phase], str]:
-    """Each pattern twice: after emptying the page cache (all of it when ``drop``, else only
-    ``evict``), then again at once on a warm page cache."""
-    runs: dict[str, list[tuple[float, list[float]]]] = {"seq": [], "rand": []}
-    method = ""
-    for pattern in ("seq", "rand"):
-        method = _drop_page_cache(evict) if drop else _evict(evict)
-        for _ in range(2):
-            runs[pattern].append(_sequential(paths) if pattern == "seq"
-                                 else _random(paths, n_random, seed))
-    return {"cold": _summary(runs["seq"][0], runs["rand"][0]),
-            "warm": _summary(runs["seq"][1], runs["rand"][1])}, method
-
-
-def _evict(paths: list[Path]) -> str:
-    for p in paths:
-        fd = os.open(p, os.O_RDONLY)
-        try:
-            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-        finally:
-            os.close(fd)
-    return "fadvise_dontneed"
-
-
+# -- the run ---------------------------------------------------------------------------------
 def run(args: argparse.Namespace) -> int:
     from spokefs.bench.common import machine, table, write_json
     from spokefs.bench.procs import Service, hub_args, spoke_args
+    from spokefs.cache.inspect import blocks_on_disk
     from spokefs.mount.process import MountProcess
 
+    variants = [v.strip() for v in args.variants.split(",") if v.strip()]
+    if not variants or set(variants) - {"sc", "http"}:
+        raise SystemExit(f"--variants takes sc and/or http, not {args.variants!r}")
     out: Path = args.out
     work: Path = args.work_dir or out / "work"
-    data, mp = work / "ds", work / "mnt"
-    cache = work / "cache"
+    data, mp, cache = work / "ds", work / "mnt", work / "cache"
     mp.mkdir(parents=True, exist_ok=True)
-    size = args.files * args.file_size
-    print(f"dataset: {args.files} x {args.file_size >> 20} MiB in {data}", flush=True)
-    _make_dataset(data, args.files, args.file_size, args.seed)
+    big = args.files * args.file_size
+    print(f"dataset: {args.files} x {args.file_size >> 20} MiB and {args.small_files} x "
+          f"{args.small_size >> 10} KiB in {data}", flush=True)
+    local_large = _make_large(data / "large", args.files, args.file_size, args.seed)
+    local_small = (_make_small(data / "small", args.small_files, args.small_size, args.seed)
+                   if args.small_files else [])
     load_before = os.getloadavg()
-
     extra = [] if args.read_ahead_kb is None else ["--read-ahead-kb", str(args.read_ahead_kb)]
-    cache_size = str(2 * size + (256 << 20))
+    cache_size = str(2 * (big + args.small_files * args.small_size) + (256 << 20))
+    results: dict[str, dict[str, Phase]] = {}
+    method = ""
+    read_ahead = ""
+
+    def mounted(paths: list[Path]) -> list[Path]:
+        return [mp / p.relative_to(data) for p in paths]
+
     with Service(hub_args(data, work / "hubstate")) as hub, \
-            Service(spoke_args(hub.url, cache, cache_size)) as spoke, \
-            MountProcess(f"{spoke.url}/ds", mp, *extra) as m:
-        print(m.ready_line, flush=True)
-        mounted = sorted(p for p in mp.iterdir() if p.is_file())
-        t0 = time.perf_counter()
-        warm_gbps, _ = _sequential(mounted)
-        print(f"filled the spoke's cache through the mount: {size / 2**20:.0f} MiB in "
-              f"{time.perf_counter() - t0:.1f}s ({warm_gbps:.2f} GB/s, first read)",
-              flush=True)
-        blocks = sorted(p for p in (cache / "blocks").rglob("*") if p.is_file())
-        cached = sum(p.stat().st_size for p in blocks)
-        if cached < size:
-            print(f"warning: the spoke holds {cached} of {size} bytes", flush=True)
-        # cold: nothing in the page cache (the spoke reads its disk); spoke_hot: only the
-        # mount's pages evicted, the spoke's files in memory (a spoke with RAM to spare);
-        # warm: the same reads again at once (the mount keeps its pages across opens).
-        mount, method = _measure(mounted, mounted + blocks, args.random_reads, args.seed,
-                                 drop=True)
-        hot, _ = _measure(mounted, mounted, args.random_reads, args.seed, drop=False)
-        mount["spoke_hot"] = hot["cold"]
-        direct, _ = _measure(blocks, mounted + blocks, args.random_reads, args.seed,
-                             drop=True)
-        results: dict[str, dict[str, Phase]] = {"mount": mount, "direct": direct}
-        read_ahead = m.ready_line.rsplit("read_ahead_kb=", 1)[-1].rstrip(")")
+            Service(spoke_args(hub.url, cache, cache_size)) as spoke:
+        assert spoke.proc is not None
+        for v in variants:
+            flags = [*extra, *(["--no-short-circuit"] if v == "http" else [])]
+            with MountProcess(f"{spoke.url}/ds", mp, *flags) as m:
+                assert m.proc is not None
+                print(m.ready_line, flush=True)
+                read_ahead = m.ready_line.rsplit("read_ahead_kb=", 1)[-1].rstrip(")")
+                large, small = mounted(local_large), mounted(local_small)
+                if v == variants[0]:  # fill the spoke's cache through the mount
+                    t0 = time.perf_counter()
+                    _sequential(large)
+                    if small:
+                        _small(small, args.readers)
+                    print(f"filled the spoke's cache through the mount in "
+                          f"{time.perf_counter() - t0:.1f}s", flush=True)
+                segs = sorted({b.path for b in blocks_on_disk(cache)})
+                pids = {"mount": m.proc.pid, "spoke": spoke.proc.pid}
+                name = "mount" if v == "sc" else "mount_http"
+                every = [*large, *small, *segs]
+                mine = [*large, *small]
+                phases: dict[str, Phase] = {}
+                phases["cold"], phases["warm"] = _states(
+                    large, small, args, pids, lambda e=every: _drop_page_cache(e))
+                method = _drop_page_cache(every)
+                phases["spoke_hot"], _ = _states(large, small, args, pids,
+                                                 lambda m=mine: _evict(m))
+                results[name] = phases
+                print(f"  {name}: " + "; ".join(
+                    f"{s} {p.seq_GBps:.2f} GB/s, p99 {p.rand_128KiB_p99_ms:.2f} ms, "
+                    f"{p.small_files_per_s or 0:.0f} files/s" for s, p in phases.items()),
+                    flush=True)
+        local = [*local_large, *local_small]
+        cold, warm = _states(local_large, local_small, args, {},
+                             lambda: _drop_page_cache(local))
+        # Local files have no spoke: for spoke_hot, warm local reads are the peer.
+        results["direct"] = {"cold": cold, "spoke_hot": warm, "warm": warm}
 
     doc: dict[str, Any] = {
         "benchmark": "mount", "machine": machine(),
         "load_average_before": [round(x, 2) for x in load_before],
         "load_average_after": [round(x, 2) for x in os.getloadavg()],
-        "config": {"files": args.files, "file_bytes": args.file_size, "dataset_bytes": size,
-                   "seq_read_bytes": SEQ_READ, "rand_read_bytes": RAND_READ,
-                   "random_reads": args.random_reads, "read_ahead_kb": read_ahead,
-                   "page_cache_drop": method, "upstream": "spoke process on 127.0.0.1"},
-        "goals": GOALS,
+        "config": {"files": args.files, "file_bytes": args.file_size, "dataset_bytes": big,
+                   "small_files": args.small_files, "small_bytes": args.small_size,
+                   "readers": args.readers, "seq_read_bytes": SEQ_READ,
+                   "rand_read_bytes": RAND_READ, "random_reads": args.random_reads,
+                   "read_ahead_kb": read_ahead, "page_cache_drop": method,
+                   "variants": variants, "upstream": "spoke process on 127.0.0.1"},
+        "goals": {**GOALS, **{f"{k} mount/direct": v for k, v in RATIO_GOALS.items()}},
     }
     for name, phases in results.items():
-        # Headline figures are the cold ones (every byte through the spoke, from its disk).
-        doc[name] = {**phases["cold"].to_json(),
-                     **{state: p.to_json() for state, p in phases.items() if state != "cold"}}
-    states = ("cold", "spoke_hot", "warm")
+        doc[name] = {state: p.to_json() for state, p in phases.items()}
     doc["ratio_to_direct"] = {}
-    for state in states:
-        m, d = results["mount"][state], results["direct"]["warm" if state == "spoke_hot"
-                                                            else state]
-        doc["ratio_to_direct"][state] = {
-            "seq_GBps": round(m.seq_GBps / d.seq_GBps, 3),
-            "rand_128KiB_p99_ms": round(m.rand_128KiB_p99_ms / d.rand_128KiB_p99_ms, 3)}
-    doc["goals_met"] = {
-        state: {"seq_GBps": results["mount"][state].seq_GBps >= GOALS["seq_GBps"],
-                "rand_128KiB_p99_ms":
-                    results["mount"][state].rand_128KiB_p99_ms <= GOALS["rand_128KiB_p99_ms"]}
-        for state in states}
+    for name in (n for n in results if n != "direct"):
+        doc["ratio_to_direct"][name] = {}
+        for state in STATES:
+            m, d = results[name][state], results["direct"][state]
+            doc["ratio_to_direct"][name][state] = {
+                "seq_GBps": round(m.seq_GBps / d.seq_GBps, 3),
+                "rand_128KiB_p99_ms": round(m.rand_128KiB_p99_ms / d.rand_128KiB_p99_ms, 3),
+                "small_files_per_s": round(m.small_files_per_s / d.small_files_per_s, 3)
+                if m.small_files_per_s and d.small_files_per_s else None}
     path = write_json(out, doc)
 
     rows = []
-    for name, state in (("mount", "cold"), ("direct", "cold"), ("mount", "spoke_hot"),
-                        ("mount", "warm"), ("direct", "warm")):
-        r = results[name][state]
-        rows.append([f"{name} ({state})", r.seq_GBps, r.seq_1MiB_p99_ms, r.rand_GBps,
-                     r.rand_128KiB_p50_ms, r.rand_128KiB_p99_ms])
+    for name, phases in results.items():
+        for state in STATES if name != "direct" else ("cold", "warm"):
+            r = phases[state]
+            rows.append([f"{name} ({state})", r.seq_GBps, r.seq_1MiB_p99_ms, r.rand_GBps,
+                         r.rand_128KiB_p50_ms, r.rand_128KiB_p99_ms,
+                         r.small_files_per_s or "-",
+                         r.cpu.get("mount_cpu_s_per_GiB_seq", "-"),
+                         r.cpu.get("spoke_cpu_s_per_GiB_seq", "-"),
+                         r.cpu.get("mount_cpu_ms_per_file", "-"),
+                         r.cpu.get("spoke_cpu_ms_per_file", "-")])
     print()
     print(table(rows, ["reader", "seq GB/s", "seq p99 ms", "rand GB/s", "rand p50 ms",
-                       "rand p99 ms"]))
-    print("\nmount/direct: " + "; ".join(
-        f"{state} seq {r['seq_GBps']}x, rand p99 {r['rand_128KiB_p99_ms']}x"
-        for state, r in doc["ratio_to_direct"].items()) + " (spoke_hot vs direct warm)")
-    for state in states:
-        g = doc["goals_met"][state]
-        print(f"goals, mount {state}: seq >= {GOALS['seq_GBps']} GB/s "
-              f"{'met' if g['seq_GBps'] else 'NOT met'}, random 128 KiB p99 <= "
-              f"{GOALS['rand_128KiB_p99_ms']} ms "
-              f"{'met' if g['rand_128KiB_p99_ms'] else 'NOT met'}")
+                       "rand p99 ms", "small files/s", "mount CPU-s/GiB", "spoke CPU-s/GiB",
+                       "mount CPU-ms/file", "spoke CPU-ms/file"]))
+    for name, by_state in doc["ratio_to_direct"].items():
+        print(f"\n{name}/direct: " + "; ".join(
+            f"{state} seq {r['seq_GBps']}x, rand p99 {r['rand_128KiB_p99_ms']}x, small "
+            f"{r['small_files_per_s']}x" for state, r in by_state.items()))
     print(f"page cache emptied with: {method}")
     print(f"results: {path}")
     return 0
