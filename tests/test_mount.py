@@ -714,6 +714,32 @@ def test_short_circuit_read_of_an_evicted_block_refetches(stack: tuple[Path, Ser
 
 
 @needs_fuse
+def test_short_circuit_hears_of_prefetched_blocks_before_reading_them(
+        stack: tuple[Path, ServerProcess], tmp_path: Path) -> None:
+    from spokefs.client.control import SpokeControl
+
+    ds = stack[0]
+    mp = tmp_path / "mnt"
+    mp.mkdir()
+    names = sorted(p.relative_to(ds).as_posix() for p in (ds / "many").iterdir())[:60]
+    with _own_spoke(stack, tmp_path) as s:
+        SpokeControl(f"{s.url}/ds").warm(names, wait=True, progress=False, timeout=60)
+        with MountProcess(f"{s.url}/ds", mp) as m:
+            for name in names:  # one reader, file after file, as a loader would
+                assert (mp / name).read_bytes() == (ds / name).read_bytes()
+        line = next(x for x in m.output if "short circuit: " in x)
+        got = {k: int(v) for v, k in re.findall(
+            r"(\d+) (reads from|blocks located|locations heard|reads over)", line)}
+        # The first read asks where its block is and hears of every warmed one with the
+        # answer: the other files are read without asking.
+        assert got["blocks located"] == 1, line
+        assert got["locations heard"] >= len(names), line
+        assert got["reads from"] == len(names) and got["reads over"] == 0, line
+        assert _metric(s.url, "spokefs_short_circuit_bytes_total") == sum(
+            (ds / n).stat().st_size for n in names)
+
+
+@needs_fuse
 def test_a_mount_that_cannot_see_the_spokes_folder_reads_over_http(
         stack: tuple[Path, ServerProcess], tmp_path: Path) -> None:
     ds = stack[0]

@@ -282,3 +282,24 @@ def test_aligned_and_unaligned_writes_mix_in_either_mode(tmp_path: Path, direct_
         assert got is not None and bytes(got) == data
     store.close()
     loop.close()
+
+
+def test_residency_feed_hands_out_each_entry_once_in_order() -> None:
+    from spokefs.cache.feed import ResidencyFeed
+
+    feed: ResidencyFeed[int, str] = ResidencyFeed(keep=4)
+    assert feed.since(0, 10) == ([], 0)
+    for k in range(3):
+        feed.add(k, f"v{k}")
+    got, cur = feed.since(0, 2)
+    assert got == [(0, "v0"), (1, "v1")] and cur == 2
+    got, cur = feed.since(cur, 10)
+    assert got == [(2, "v2")] and cur == 3
+    assert feed.since(cur, 10) == ([], 3)  # nothing new: the same cursor back
+    for k in range(3, 9):  # more than it keeps: the oldest are dropped
+        feed.add(k, f"v{k}")
+    got, cur = feed.since(3, 10)  # a reader that fell behind starts at the oldest kept
+    assert [k for k, _ in got] == [5, 6, 7, 8] and cur == 9
+    got, cur = feed.since(50, 10)  # a cursor from a spoke that has restarted since
+    assert [k for k, _ in got] == [5, 6, 7, 8] and cur == 9
+    assert feed.since(2, 0) == ([], 5)  # a zero limit only moves a stale cursor on

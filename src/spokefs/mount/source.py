@@ -180,6 +180,7 @@ class ShortCircuit:
     REPORT_EVERY = 0.05
     IN_THREAD = 1 << 20  # a read this large is done off the event loop
     CHUNKS_KEPT = 64     # checked chunks kept for reads of pieces of them (16 MiB)
+    LOCS_KEPT = 1 << 18  # block locations kept (~300 bytes each); the oldest go first
 
     def __init__(self, client: UpstreamClient, dataset: str, block_size: int,
                  cache: SharedCache, deadline: float) -> None:
@@ -196,6 +197,14 @@ class ShortCircuit:
         self._sweeper: asyncio.TimerHandle | None = None
         self.hits = self.located = self.fallbacks = 0
         self._located_bytes = 0  # read here after a locate: bytes to tell the spoke of
+        # Where the spoke's feed of new residents (spokefs.cache.feed) was read up to: every
+        # locate and report asks for what came since, so a file the spoke prefetched is
+        # read without asking it first.
+        self._cursor = 0
+        self._asking_news = False
+        self._heard: dict[tuple[str, int], dict[str, object]] = {}
+        self._more_news = False
+        self.learned = 0
 
     @classmethod
     async def probe(cls, client: UpstreamClient, dataset: str, block_size: int,
@@ -227,7 +236,7 @@ class ShortCircuit:
         bs = self.block_size
         end = start + len(buf)
         keys = [(version, i) for i in range(start // bs, (end - 1) // bs + 1)]
-        missing = [k for k in keys if k not in self._locs]
+        missing = [k for k in keys if k not in self._locs and not self._adopt(k)]
         if missing:  # the spoke hears of this read (and counts it) with the locate
             if not await self._locate(missing, fetch=True, read=(version, start, end)):
                 return None
@@ -322,7 +331,7 @@ class ShortCircuit:
         doc: dict[str, object] = {"blocks": [list(k) for k in keys], "fetch": fetch}
         if read is not None:
             doc["read"] = {"start": read[1], "end": read[2], "reader": self.reader}
-        answer = await self._post("locate", doc)
+        answer = await self._post_with_news("locate", doc)
         if answer is None or answer.get("cache", {}).get("id") != self.cache.id:
             return False  # the spoke is down, or restarted on another folder
         self.located += len(keys)
@@ -331,8 +340,52 @@ class ShortCircuit:
             if loc is None:
                 self._locs.pop(key, None)
             else:
-                self._locs[key] = loc
+                self._remember(key, loc)
         return True
+
+    def _adopt(self, key: tuple[str, int]) -> bool:
+        """Whether the spoke's feed told us where ``key`` is (now a known location)."""
+        entry = self._heard.pop(key, None)
+        loc = self.cache.loc(entry) if entry is not None else None
+        if loc is None:
+            return False
+        self._remember(key, loc)
+        return True
+
+    def _remember(self, key: tuple[str, int], loc: SharedLoc) -> None:
+        self._locs.pop(key, None)  # re-inserted: the newest
+        self._locs[key] = loc
+        while len(self._locs) > self.LOCS_KEPT:
+            del self._locs[next(iter(self._locs))]
+
+    async def _post_with_news(self, what: str, doc: dict[str, object]) -> dict | None:
+        """``_post``, asking for the feed too unless a request in flight already does
+        (answers to one cursor would bring the same blocks twice)."""
+        if self._asking_news:
+            return await self._post(what, doc)
+        self._asking_news = True
+        try:
+            answer = await self._post(what, {**doc, "since": self._cursor})
+        finally:
+            self._asking_news = False
+        if answer is not None:
+            self._take_news(answer.get("news"))
+        return answer
+
+    def _take_news(self, news: object) -> None:
+        """Blocks the spoke made resident since we last asked: known before they are read."""
+        if not isinstance(news, dict):
+            return
+        heard = self._heard
+        for version, index, entry in news.get("blocks", ()):
+            heard[(version, index)] = entry  # decoded when read (most may never be)
+        self.learned += len(news.get("blocks", ()))
+        while len(heard) > self.LOCS_KEPT:
+            del heard[next(iter(heard))]
+        self._cursor = int(news.get("cursor", self._cursor))
+        self._more_news = bool(news.get("more"))
+        if self._more_news:
+            self._report()  # ask again soon, with the next report
 
     async def _post(self, what: str, doc: dict[str, object]) -> dict | None:
         """The spoke's answer; None if it refused or failed at once (then the read goes over
@@ -357,22 +410,36 @@ class ShortCircuit:
             self._sweeper = asyncio.get_running_loop().call_later(10.0, self._sweep)
 
     async def _send_reports(self) -> None:
-        await asyncio.sleep(self.REPORT_EVERY)  # gather what comes meanwhile
-        reads, self._reads = self._reads, []
-        extra, self._located_bytes = self._located_bytes, 0
-        if reads or extra:
+        """Report reads every REPORT_EVERY while there are any (or news left to fetch)."""
+        while True:
+            await asyncio.sleep(self.REPORT_EVERY)  # gather what comes meanwhile
+            reads, self._reads = self._reads, []
+            extra, self._located_bytes = self._located_bytes, 0
+            if not (reads or extra or self._more_news):
+                return
+            self._more_news = False
             with contextlib.suppress(ReadFailed):  # a report lost costs a hint, no more
-                await self._post("reads", {"reads": reads, "by": "mount", "bytes": extra})
+                await self._post_with_news("reads", {"reads": reads, "by": "mount",
+                                                     "bytes": extra})
 
     def _sweep(self) -> None:
         self._sweeper = None
         self.cache.sweep()
 
     async def close(self) -> None:
+        log.info("short circuit: %d reads from the spoke's cache files, %d blocks located by "
+                 "asking, %d locations heard ahead, %d reads over HTTP instead", self.hits,
+                 self.located, self.learned, self.fallbacks)
         if self._reporter is not None and not self._reporter.done():
             self._reporter.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await self._reporter
+        if self._reads or self._located_bytes:  # the last reads count too (briefly tried)
+            with contextlib.suppress(Transient, SpokeError, TimeoutError):
+                async with asyncio.timeout(2.0):
+                    await self.client.post_json(
+                        f"/v1/datasets/{self.dataset}/reads",
+                        {"reads": self._reads, "by": "mount", "bytes": self._located_bytes})
         if self._sweeper is not None:
             self._sweeper.cancel()
         self.cache.close()

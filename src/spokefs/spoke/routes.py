@@ -159,8 +159,9 @@ class SpokeRoutes:
 
     async def locate(self, request: web.Request) -> web.Response:
         """``{"blocks": [[version, index], ...], "fetch"?: bool, "damaged"?: bool, "read"?:
-        {"start", "end", "path"?, "size"?, "reader"?, "job"?}}`` -> where each block is in the
-        cache (or null), and the cache folder's path and id (spokefs.cache.shared)."""
+        {"start", "end", "path"?, "size"?, "reader"?, "job"?}, "since"?: cursor}`` -> where
+        each block is in the cache (or null), the cache folder's path and id
+        (spokefs.cache.shared), and with ``since`` the blocks that became resident since."""
         ds = check_dataset_name(request.match_info["ds"])
         doc = await _body(request)
         keys = parse_block_list(doc)
@@ -171,7 +172,8 @@ class SpokeRoutes:
         if doc.get("damaged"):  # a reader found these bytes wrong: check, drop if so
             self.backend.recheck(keys)
         blocks = await self.backend.locate(ds, keys, bool(doc.get("fetch", False)), ctx, span)
-        return web.json_response({"cache": self.backend.cache_info(), "blocks": blocks})
+        return web.json_response({"cache": self.backend.cache_info(), "blocks": blocks,
+                                  **self._news(ds, doc)})
 
     async def reads(self, request: web.Request) -> web.Response:
         """``{"reads": [[version, start, end, {context}], ...], "by"?: "mount", "bytes"?:
@@ -194,7 +196,17 @@ class SpokeRoutes:
             raise BadRequest('"bytes" must be an integer >= 0')
         self.backend.reads_elsewhere(ds, reads, by_mount=doc.get("by") == "mount",
                                      extra_bytes=extra)
-        return web.json_response({"reads": len(reads)})
+        return web.json_response({"reads": len(reads), **self._news(ds, doc)})
+
+    def _news(self, ds: str, doc: dict[str, Any]) -> dict[str, object]:
+        """``"since": cursor`` in a locate or reads body asks for the blocks that became
+        resident since (spokefs.cache.feed); the answer carries them as ``"news"``."""
+        since = doc.get("since")
+        if since is None:
+            return {}
+        if type(since) is not int or since < 0:
+            raise BadRequest('"since" must be an integer >= 0 (a cursor from "news")')
+        return {"news": self.backend.news(ds, since)}
 
     async def counts(self, request: web.Request) -> web.Response:
         """What a replica worker counted (hits, misses, served bytes, damaged blocks)."""

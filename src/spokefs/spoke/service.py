@@ -31,6 +31,7 @@ from typing import Any
 
 from prometheus_client import CollectorRegistry
 
+from spokefs.cache.feed import ResidencyFeed
 from spokefs.cache.store import BlockStore, Loc, read_loc
 from spokefs.errors import (
     BadRequest,
@@ -120,6 +121,10 @@ class SpokeBackend:
         # Checks of large reads run here, off the event loop (xxhash and pread release the GIL)
         self._checker = ThreadPoolExecutor(2, thread_name_prefix="spokefs-check")
         self.prefetch: PrefetchDriver | None = None  # set by start() unless disabled
+        # Blocks that became resident lately, told to same-host readers (locate, reads).
+        self.feed: ResidencyFeed[BlockKey, Loc] = ResidencyFeed()
+        self.store.events.changed.append(
+            lambda key, loc: loc is not None and self.feed.add(key, loc))
         self._datasets: dict[str, tuple[float, DatasetInfo]] = {}
         self._manifests = ManifestMemo()
         # One upstream fetch of a manifest however many ask at once, and one decode for the
@@ -512,11 +517,24 @@ class SpokeBackend:
                 if block.written is not None:
                     await asyncio.shield(block.written)
                 loc = self.store.get(key)
-            out.append(None if loc is None else {
-                "seg": loc.seg.id, "offset": loc.offset, "size": loc.size,
-                "digest": loc.digest.hex(), "chunks": loc.chunks.hex(),
-                "object_size": self.store.object_size(key[0]), "fetched": key in waits})
+            out.append(None if loc is None else self._loc_doc(key, loc, key in waits))
         return out
+
+    def _loc_doc(self, key: BlockKey, loc: Loc, fetched: bool = False) -> dict[str, object]:
+        return {"seg": loc.seg.id, "offset": loc.offset, "size": loc.size,
+                "digest": loc.digest.hex(), "chunks": loc.chunks.hex(),
+                "object_size": self.store.object_size(key[0]), "fetched": fetched}
+
+    NEWS_LIMIT = 1024  # feed entries looked at per answer (~1 ms to encode)
+
+    def news(self, name: str, cursor: int) -> dict[str, object]:
+        """Blocks of dataset ``name`` that became resident after ``cursor`` (and are still
+        where they were put), for a same-host reader to know before it asks: ``{"cursor":
+        ask with this next, "blocks": [[version, index, location], ...], "more": bool}``."""
+        entries, nxt = self.feed.since(cursor, self.NEWS_LIMIT)
+        blocks = [[k[0], k[1], self._loc_doc(k, loc)] for k, loc in entries
+                  if loc.dataset == name and self.store.get(k) is loc]
+        return {"cursor": nxt, "blocks": blocks, "more": nxt < self.feed.end}
 
     def recheck(self, keys: list[BlockKey]) -> None:
         """Another process found these blocks' bytes wrong: check them here; a damaged one
