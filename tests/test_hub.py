@@ -108,6 +108,9 @@ def test_ranges_past_the_end(ro_hub, ro_dataset: Path) -> None:
     r = get(f"{base}/ds/class0/img0000.jpg", Range=f"bytes={size}-")
     assert r.status == 416 and r.headers["Content-Range"] == f"bytes */{size}"
     assert get(f"{base}/ds/class0/img0000.jpg", Range="bytes=oops").status == 400
+    for odd in ("bytes=\u00b2-3", "bytes=0-\u00b9", "bytes=" + "9" * 5000 + "-"):
+        r = get(f"{base}/ds/class0/img0000.jpg", Range=odd)  # digits only int() would refuse
+        assert r.status == 400 and "Range" in json.loads(r.data)["error"]["message"], odd
     r = get(f"{base}/ds/class0/img0000.jpg", Range=f"bytes={size - 5}-{size + 100}")
     assert r.status == 206 and len(r.data) == 5
 

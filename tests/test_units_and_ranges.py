@@ -36,7 +36,8 @@ def test_parse_range(header: str | None, size: int, want: tuple[int, int] | None
 
 
 @pytest.mark.parametrize("header", ["bytes=a-b", "items=0-1", "bytes=5-2", "bytes=0-1,4-5",
-                                    "bytes=-", "bytes"])
+                                    "bytes=-", "bytes", "bytes=\u00b2-3",
+                                    "bytes=0-\u0663", "bytes=1" + "0" * 30 + "-"])
 def test_malformed_range(header: str) -> None:
     with pytest.raises(BadRequest):
         parse_range(header, 10)

@@ -30,6 +30,7 @@ from urllib.parse import urlsplit
 
 from spokefs.errors import Transient, from_status
 from spokefs.wire.frames import FrameError, FrameHeader, FrameReader
+from spokefs.wire.ranges import ascii_digits
 
 _SCRATCH = 256 * 1024     # one recv of small pieces
 _DIRECT_MIN = 64 * 1024   # a payload piece at least this large is received in place
@@ -226,7 +227,7 @@ class _Connection(asyncio.BufferedProtocol):
     def _start_body(self, raw: bytes) -> None:
         lines = raw.decode("latin-1").split("\r\n")
         parts = lines[0].split(" ", 2)
-        if len(parts) < 2 or not parts[0].startswith("HTTP/1.") or not parts[1].isdigit():
+        if len(parts) < 2 or not parts[0].startswith("HTTP/1.") or not ascii_digits(parts[1], 3):
             raise Transient(f"upstream sent a bad status line {lines[0][:80]!r}")
         headers: dict[str, str] = {}
         for line in lines[1:]:
@@ -237,7 +238,7 @@ class _Connection(asyncio.BufferedProtocol):
         if headers.get("transfer-encoding", "identity").lower() != "identity":
             raise Transient("upstream sent a chunked body where a length was expected")
         length = headers.get("content-length")
-        if length is None or not length.isdigit():
+        if length is None or not ascii_digits(length, 19):
             raise Transient("upstream response has no Content-Length")
         head = Head(int(parts[1]), headers, int(length))
         assert self._sink_for is not None

@@ -5,6 +5,13 @@ from __future__ import annotations
 from spokefs.errors import BadRequest, RangeNotSatisfiable
 
 
+def ascii_digits(text: str, most: int = 20) -> bool:
+    """Only ASCII digits, 1 to ``most`` of them. ``str.isdigit`` alone also takes '\u00b2'
+    and other scripts' digits (what a latin-1 decode of a hostile header can give), which
+    ``int`` then refuses or reads as other numbers."""
+    return 0 < len(text) <= most and text.isascii() and text.isdigit()
+
+
 def parse_range(header: str | None, size: int) -> tuple[int, int] | None:
     """Half-open [start, end) that ``header`` asks of a ``size``-byte file; None = whole file.
 
@@ -19,7 +26,7 @@ def parse_range(header: str | None, size: int) -> tuple[int, int] | None:
     if "," in spec:
         raise BadRequest("multiple ranges in one request are not supported; send one per request")
     first, dash, last = spec.strip().partition("-")
-    if not dash or not (first.isdigit() or first == "") or not (last.isdigit() or last == ""):
+    if not dash or not all(ascii_digits(x) or x == "" for x in (first, last)):
         raise BadRequest(f"malformed Range header {header!r}")
     if first == "":
         if last == "":
