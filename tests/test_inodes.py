@@ -109,6 +109,13 @@ def test_attributes() -> None:
         t.attr(0)
 
 
+def test_setuid_setgid_and_sticky_bits_are_never_shown() -> None:
+    t = InodeTable(manifest(files={"suid": (1, 0o4755), "sgid": (1, 0o2711), "t": (1, 0o1644)},
+                            dirs=[""]))
+    modes = {p: stat.S_IMODE(t.attr(t.lookup_path(p) or 0).mode) for p in ("suid", "sgid", "t")}
+    assert modes == {"suid": 0o755, "sgid": 0o711, "t": 0o644}
+
+
 def test_versions_packed_and_unusual_ids_kept() -> None:
     m = manifest()
     t = InodeTable(m)

@@ -452,6 +452,10 @@ def test_stat_sizes_modes_times_and_statfs(mounted: tuple[Path, Path]) -> None:
     assert vfs.f_blocks * vfs.f_frsize >= total
     entry = sysfs.mount_entry(mp)
     assert entry is not None and entry[1] == "fuse.spokefs"
+    options = next(line.split()[5].split(",")
+                   for line in Path("/proc/self/mountinfo").read_text().splitlines()
+                   if line.split()[4] == str(mp))
+    assert {"ro", "nosuid", "nodev"} <= set(options), options
     ra = sysfs.read_ahead_path(mp)
     if os.geteuid() == 0 and ra is not None:
         assert int(ra.read_text()) == 4096

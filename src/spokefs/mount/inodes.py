@@ -103,7 +103,8 @@ class InodeTable:
         i = self.file_index(ino)
         if not 0 <= i < len(self.paths):
             raise KeyError(ino)
-        return Attr(ino, statmod.S_IFREG | (self.modes[i] & 0o7777), self.sizes[i],
+        # Permission bits only: a mount must never hand out setuid or setgid (nor sticky).
+        return Attr(ino, statmod.S_IFREG | (self.modes[i] & 0o777), self.sizes[i],
                     self.mtimes[i], 1)
 
     # -- lookup ------------------------------------------------------------------------------

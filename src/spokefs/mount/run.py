@@ -50,7 +50,8 @@ class MountOptions:
 
 
 def fuse_options(opts: MountOptions) -> set[str]:
-    o = {"fsname=spokefs", "subtype=spokefs", "ro", "default_permissions"}
+    # nosuid, nodev: what a dataset holds is data, never a privilege or a device.
+    o = {"fsname=spokefs", "subtype=spokefs", "ro", "default_permissions", "nosuid", "nodev"}
     if opts.allow_other:
         o.add("allow_other")
     return o
