@@ -55,6 +55,10 @@ def register(sub: argparse._SubParsersAction) -> None:
                        "for caches larger than memory), buffered (through it: a block read "
                        "soon after is a memory read), auto (direct when --cache-size is over "
                        "half the memory; the default)")
+    serve.add_argument("--read-window", type=parse_size, default=64 << 20, metavar="SIZE",
+                       help="how far one read of a large range fetches ahead of what its "
+                       "client has taken (default 64MiB): a slow or abandoned reader holds "
+                       "and pulls no more than this")
     serve.add_argument("--workers", type=int, default=None, metavar="N",
                        help="processes serving readers (default: the number of cores, at "
                        "most 16): one primary fills the cache, the others serve from it too")
@@ -77,7 +81,8 @@ def _serve(args: argparse.Namespace) -> int:
                          max_inflight=args.max_inflight, fsync=not args.no_fsync,
                          latest_ttl=args.latest_ttl, prefetch=not args.no_prefetch,
                          prefetch_inflight=args.prefetch_inflight,
-                         pacing=not args.no_pacing, write_io=args.write_io)
+                         pacing=not args.no_pacing, write_io=args.write_io,
+                         read_window=args.read_window)
     from spokefs.spoke.workers import default_workers, serve_workers
 
     workers = default_workers() if args.workers is None else args.workers

@@ -69,8 +69,9 @@ class ReplicaBackend:
     role = "spoke"
 
     def __init__(self, primary_socket: Path, deadline: float = 30.0,
-                 latest_ttl: float = 10.0) -> None:
+                 latest_ttl: float = 10.0, read_window: int = 64 << 20) -> None:
         self.deadline = deadline
+        self.read_window = read_window  # as the primary's: how far a read asks ahead
         self.latest_ttl = latest_ttl
         self.registry = CollectorRegistry()
         # The primary answers within its deadline (a 503 naming the upstream at worst):
@@ -246,28 +247,35 @@ class ReplicaBackend:
                    ctx: ReadContext | None = None) -> AsyncIterator[Segment]:
         bs = (await self.dataset(name)).block_size
         ctx = ctx or ReadContext()
-        keys = [(version, i) for i in blocks_in_range(start, end, bs)]
         context = {"path": ctx.path, "size": ctx.size, "reader": ctx.reader, "job": ctx.job}
-        missing = [k for k in keys if k not in self._locs]
-        if missing:
-            # The primary fetches what is missing (and hears of the read, for its planner
-            # and its counts).
-            await self._locate(name, missing, fetch=True,
-                               read={**context, "start": start, "end": end})
-        else:
-            self._reads.setdefault(name, []).append([version, start, end, context])
-        for key in keys:
-            i = key[1]
-            lo = max(start, i * bs) - i * bs
-            hi = min(end, (i + 1) * bs) - i * bs
-            data = await self._read_block(name, key, lo, hi)
-            if data is None:  # the cache could not keep it: the primary passes it through
-                async for seg in self._proxied_read(name, version, i * bs + lo, i * bs + hi):
-                    yield seg
-                continue
-            if missing:  # a reported read's bytes are counted by the primary
-                self._counts["served_bytes"] += hi - lo
-            yield data
+        indexes = blocks_in_range(start, end, bs)
+        ahead = max(2, self.read_window // bs)
+        # A window at a time, so a slow or abandoned reader of a huge range makes the primary
+        # fetch one window, not the range.
+        for first in range(indexes.start, indexes.stop, ahead):
+            keys = [(version, i) for i in range(first, min(first + ahead, indexes.stop))]
+            w_start, w_end = max(start, first * bs), min(end, (first + len(keys)) * bs)
+            missing = [k for k in keys if k not in self._locs]
+            if missing:
+                # The primary fetches what is missing (and hears of the read, for its
+                # planner and its counts).
+                await self._locate(name, missing, fetch=True,
+                                   read={**context, "start": w_start, "end": w_end})
+            else:
+                self._reads.setdefault(name, []).append([version, w_start, w_end, context])
+            for key in keys:
+                i = key[1]
+                lo = max(start, i * bs) - i * bs
+                hi = min(end, (i + 1) * bs) - i * bs
+                data = await self._read_block(name, key, lo, hi)
+                if data is None:  # the cache could not keep it: the primary passes it on
+                    async for seg in self._proxied_read(name, version, i * bs + lo,
+                                                        i * bs + hi):
+                        yield seg
+                    continue
+                if missing:  # a reported read's bytes are counted by the primary
+                    self._counts["served_bytes"] += hi - lo
+                yield data
 
     async def _read_block(self, name: str, key: BlockKey, lo: int, hi: int
                           ) -> memoryview | None:

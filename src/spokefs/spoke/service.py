@@ -83,6 +83,9 @@ class SpokeConfig:
     pacing: bool = True             # measure the link; keep ~2x bandwidth x RTT of prefetch out
     readahead_max: int = 64 << 20   # largest sequential readahead window per stream
     write_io: str = "auto"          # direct, buffered, or auto (direct for a cache > RAM / 2)
+    # A read asks for at most this many bytes beyond what its client has taken, so a slow or
+    # abandoned reader of a huge range holds and pulls one window, not the whole range.
+    read_window: int = 64 << 20
 
     def direct_io(self) -> bool:
         """Whether cache writes bypass the page cache. A cache larger than half the memory
@@ -344,14 +347,21 @@ class SpokeBackend:
         if self.prefetch is not None:
             self._tell_planner(name, version, start, end, ctx or ReadContext())
         store, fetcher, metrics = self.store, self.fetcher, self.metrics
-        # Start every missing block now (the whole range is wanted), then send in order.
-        pending = {i: fetcher.want(name, (version, i), DEMAND) for i in indexes
-                   if (version, i) not in store and fetcher.recent((version, i)) is None}
+        # Missing blocks are asked for a window ahead of the one being sent (all at once for
+        # a range within the window); a sent block's future is dropped at once, so neither
+        # memory nor the link follows a reader that stalls or leaves.
+        ahead = max(2, self.config.read_window // bs)
+        pending: dict[int, asyncio.Future[Block]] = {}
+        asked = indexes.start
         for i in indexes:
+            while asked < min(i + ahead, indexes.stop):
+                if (version, asked) not in store and fetcher.recent((version, asked)) is None:
+                    pending[asked] = fetcher.want(name, (version, asked), DEMAND)
+                asked += 1
             key = (version, i)
             lo = max(start, i * bs) - i * bs
             hi = min(end, (i + 1) * bs) - i * bs
-            fut = pending.get(i)
+            fut = pending.pop(i, None)
             if fut is None:
                 view = await self._resident(key, lo, hi)
                 if view is not None:

@@ -178,7 +178,8 @@ def run_worker(role: str, index: int, listen_fd: int, unix_path: str, config_raw
     else:
         from spokefs.spoke.replica import ReplicaBackend, build_replica_app
 
-        backend = ReplicaBackend(Path(unix_path), config.deadline, config.latest_ttl)
+        backend = ReplicaBackend(Path(unix_path), config.deadline, config.latest_ttl,
+                                 config.read_window)
         # Its own socket, where the primary asks it for its counts before a scrape.
         mine = str(config.cache_dir / f"worker-{index}.sock")
         asyncio.run(serve_forever(build_replica_app(backend), "", 0, "spoke-worker",
