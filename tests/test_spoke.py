@@ -238,3 +238,48 @@ def test_an_abandoned_read_of_a_huge_range_pulls_one_window(tmp_path: Path, work
         # And the spoke is fine: a whole read of the same file still works.
         r = get(f"{s.url}/ds/shards/shard-000.tar")
         assert r.status == 200 and r.data == (ds / "shards/shard-000.tar").read_bytes()
+
+
+def test_slow_clients_are_closed_and_connections_capped(hub_server, tmp_path: Path) -> None:
+    import socket
+
+    from servers import ServerProcess
+
+    s = ServerProcess("spoke", "serve", "--upstream", hub_server.url, "--cache-dir",
+                      str(tmp_path / "cache"), "--cache-size", "64MiB", "--port", "0",
+                      "--workers", "1", env={"SPOKEFS_IDLE_TIMEOUT": "2",
+                                             "SPOKEFS_MAX_CONNECTIONS": "4"})
+    with s:
+        host, port = s.url.removeprefix("http://").split(":")
+
+        def connect() -> socket.socket:
+            c = socket.create_connection((host, int(port)), timeout=10)
+            return c
+
+        # Headers that never finish: closed after the idle timeout, not held forever.
+        slow = connect()
+        slow.sendall(b"GET /v1/status HTTP/1.1\r\nHost: x\r\nX-Slow: ")
+        t0 = time.monotonic()
+        assert slow.recv(1024) == b""  # closed by the server (a hang fails at 10 s)
+        assert time.monotonic() - t0 < 5
+        slow.close()
+        # Connections over the cap get a 503 at once; the ones within it are served.
+        held = [connect() for _ in range(4)]
+        for c in held:  # each served once (so the server has surely taken it), kept open
+            c.sendall(b"GET /v1/status HTTP/1.1\r\nHost: x\r\n\r\n")
+            assert c.recv(4096).startswith(b"HTTP/1.1 200")
+        try:
+            over = connect()
+            answer = over.recv(4096)
+            assert answer.startswith(b"HTTP/1.1 503") and b"too many connections" in answer
+            over.close()
+        finally:
+            for c in held:
+                c.close()
+        end = time.monotonic() + 10
+        while True:  # the server sees the held ones go, then serves again
+            r = get(f"{s.url}/v1/status")
+            if r.status == 200 or time.monotonic() > end:
+                break
+            time.sleep(0.05)
+        assert r.status == 200

@@ -6,12 +6,57 @@ import asyncio
 import contextlib
 import gc
 import os
+import resource
 import signal
 import socket
 import sys
 from collections.abc import Awaitable, Callable
 
 from aiohttp import web
+
+# A connection that has not sent a whole request within this many seconds (a slow sender of
+# headers, or an idle keep-alive) is closed. aiohttp's default keeps one for an hour.
+IDLE_TIMEOUT = float(os.environ.get("SPOKEFS_IDLE_TIMEOUT", "30"))
+# Connections served at once; more are answered 503 and closed, so a flood of clients
+# cannot take every file descriptor the cache and the hub's files need.
+MAX_CONNECTIONS = int(os.environ.get("SPOKEFS_MAX_CONNECTIONS", "4096"))
+
+_BUSY = (b"HTTP/1.1 503 Service Unavailable\r\nContent-Type: application/json\r\n"
+         b"Retry-After: 1\r\nConnection: close\r\nContent-Length: %d\r\n\r\n%s")
+_BUSY_BODY = (b'{"error": {"code": "overloaded", "message": "too many connections; '
+              b'try again shortly"}}')
+
+
+class _Refuse(asyncio.Protocol):
+    """Answers 503 at once and hangs up (a connection over the cap)."""
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        assert isinstance(transport, asyncio.Transport)
+        transport.write(_BUSY % (len(_BUSY_BODY), _BUSY_BODY))
+        transport.close()
+
+
+class _CappedServer:
+    """aiohttp's protocol factory, refusing connections beyond ``cap``."""
+
+    def __init__(self, inner: web.Server, cap: int) -> None:
+        self.inner = inner
+        self.cap = cap
+
+    def __call__(self) -> asyncio.Protocol:
+        if len(self.inner.connections) >= self.cap:
+            return _Refuse()
+        return self.inner()
+
+    def __getattr__(self, name: str) -> object:
+        return getattr(self.inner, name)
+
+
+class _Runner(web.AppRunner):
+    @property
+    def server(self) -> web.Server | None:  # what the sites hand to create_server
+        inner = super().server
+        return None if inner is None else _CappedServer(inner, MAX_CONNECTIONS)  # type: ignore[return-value]
 
 
 def tune_for_serving() -> None:
@@ -28,6 +73,12 @@ def tune_for_serving() -> None:
     gc.freeze()
     gc.set_threshold(50_000, 20, 20)
     sys.setswitchinterval(0.001)
+    # Descriptors: one per client connection and open file; the soft limit (often 1024)
+    # is raised to what the system allows this process.
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if hard == resource.RLIM_INFINITY or soft < hard:
+        with contextlib.suppress(ValueError, OSError):
+            resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
 
 
 async def serve_forever(app: web.Application, host: str, port: int, role: str,
@@ -38,7 +89,8 @@ async def serve_forever(app: web.Application, host: str, port: int, role: str,
     several sharing one port), and also on ``unix_path`` if given, until SIGINT/SIGTERM."""
     tune_for_serving()
     # Large backlog and no access log: the hot path is small range requests.
-    runner = web.AppRunner(app, access_log=None, handle_signals=False)
+    runner = _Runner(app, access_log=None, handle_signals=False,
+                     keepalive_timeout=IDLE_TIMEOUT)
     await runner.setup()
     site: web.BaseSite
     if sock is not None:

@@ -11,6 +11,7 @@ Errors are JSON bodies ``{"error": {"code", "message", ...}}`` with the matching
 from __future__ import annotations
 
 import asyncio
+import errno
 import functools
 import html
 import json
@@ -69,6 +70,28 @@ async def errors_middleware(request: web.Request, handler: Callable) -> web.Stre
             body = {"error": {"code": exc.reason.lower().replace(" ", "_"), "message": exc.reason}}
             return web.json_response(body, status=exc.status)
         raise
+    except OSError as exc:
+        if exc.errno not in (errno.EMFILE, errno.ENFILE):
+            raise
+        # Out of file descriptors (too many clients or open files): a clear, retryable
+        # answer, and one log line a minute, not a 500 and a traceback per request.
+        _log_fd_exhaustion(exc)
+        return web.json_response(
+            {"error": {"code": "overloaded", "message": "the server is out of file "
+                       "descriptors; try again shortly"}}, status=503,
+            headers={"Retry-After": "1"})
+
+
+_fd_warned = 0.0
+
+
+def _log_fd_exhaustion(exc: OSError) -> None:
+    global _fd_warned
+    now = time.monotonic()
+    if now - _fd_warned > 60:
+        _fd_warned = now
+        log.error("out of file descriptors (%s): answering 503; raise the limit (ulimit -n) "
+                  "or lower the number of clients", exc)
 
 
 async def send_segments(request: web.Request, segments: AsyncIterator[Segment],
