@@ -94,7 +94,10 @@ class Planner:
       a tenth of the capacity, at least two blocks).
     - ``learn`` / ``readahead``: switch working-set learning / sequential readahead.
     - ``idle_timeout``: seconds (of the ``now`` events carry) after which a job that stopped
-      reading loses its pins and plans.
+      reading loses its pins and plans (its learned working set and its announced order).
+    - ``max_jobs``: announced orders, and learners, kept at once (job names are chosen by
+      clients): one more order than this is refused; one more learner drops the learner
+      that read least recently (learning is a hint, and is learnt again).
     - ``resident``: a view of the cache's residency (``key in resident``; the store's eviction
       policy will do). Without one the planner tracks ``FetchDone`` and ``Evicted``.
     - ``block_size``: for files not in a manifest.
@@ -114,6 +117,7 @@ class Planner:
         learn: bool = True,
         readahead: bool = True,
         idle_timeout: float = 3600.0,
+        max_jobs: int = 256,
         resident: Container[BlockKey] | None = None,
         block_size: int = DEFAULT_BLOCK_SIZE,
     ) -> None:
@@ -133,6 +137,7 @@ class Planner:
         self.learn = learn
         self.readahead_enabled = readahead
         self.idle_timeout = idle_timeout
+        self.max_jobs = max_jobs
         self.block_size = block_size
         self._own_resident: set[BlockKey] | None = None if resident is not None else set()
         self._resident: Container[BlockKey] = (
@@ -149,6 +154,7 @@ class Planner:
         self._queue: list[tuple[int, int, BlockKey, int, str, Any, int]] = []
         self._seq = 0
         self._orders: dict[_JobKey, OrderCursor] = {}
+        self._order_seen: dict[_JobKey, float] = {}  # last announce or read of each order
         self._order_pins: dict[BlockKey, int] = {}  # key -> pin count from orders
         self._learners: dict[_JobKey, _Learner] = {}
         self._pinned_bytes = 0
@@ -202,7 +208,7 @@ class Planner:
         ln = self._learners.get((ws.dataset, ws.job))
         if ln is not None:
             self._release_learner(ln, out)
-        ln = self._new_learner(ws.dataset, ws.job, m)
+        ln = self._new_learner(ws.dataset, ws.job, m, out)
         ln.scan.restore(ws)
         if ln.scan.learned:
             self.stats["working_sets_restored"] += 1
@@ -261,7 +267,8 @@ class Planner:
         end = min(ev.size, ev.offset + ev.length)
         touched = range(ev.offset // bs, (end - 1) // bs + 1) if end > ev.offset else range(0)
 
-        ln = self._learner_for(ev.dataset, ev.job, m) if self.learn and fi is not None else None
+        ln = (self._learner_for(ev.dataset, ev.job, m, out)
+              if self.learn and fi is not None else None)
         keep = ln is not None and fi is not None and bool(ln.scan.flags[fi] & KEEP)
         for b in touched:
             key = (ev.version, b)
@@ -383,6 +390,11 @@ class Planner:
             files = idx  # type: ignore[assignment]
         jk = (ev.dataset, ev.job)
         cur = self._orders.get(jk)
+        if cur is None and len(self._orders) >= self.max_jobs:
+            raise ConfigError(
+                f"{len(self._orders)} jobs have announced orders, the most this spoke keeps; "
+                "end finished jobs (DELETE .../jobs/JOB) or wait for idle ones to expire")
+        self._order_seen[jk] = ev.now
         append = cur is not None and ev.epoch > cur.epoch
         if cur is not None and not append:
             self._release_order(cur, out)
@@ -417,6 +429,7 @@ class Planner:
                 if p is None:
                     continue
                 matched = True
+                self._order_seen[(ev.dataset, ev.job)] = ev.now
                 issued = cur.issued
                 for q in cur.consume(p):
                     if q < issued:
@@ -463,12 +476,18 @@ class Planner:
                 out.append(CancelAction(key))
 
     # -- learned working sets ----------------------------------------------------------------
-    def _new_learner(self, dataset: str, job: str, m: Manifest) -> _Learner:
+    def _new_learner(self, dataset: str, job: str, m: Manifest, out: list[Action]
+                     ) -> _Learner:
+        if len(self._learners) >= self.max_jobs:  # the one that read least recently goes
+            oldest = min(self._learners.values(), key=lambda x: x.scan.last_now)
+            self.stats["learners_dropped"] += 1
+            self._release_learner(oldest, out)
         ln = _Learner(dataset, job, m, ScanState(m, self.scan_threshold))
         self._learners[(dataset, job)] = ln
         return ln
 
-    def _learner_for(self, dataset: str, job: str, m: Manifest | None) -> _Learner | None:
+    def _learner_for(self, dataset: str, job: str, m: Manifest | None, out: list[Action]
+                     ) -> _Learner | None:
         ln = self._learners.get((dataset, job))
         if ln is not None:
             return ln if ln.m is m else None
@@ -480,7 +499,7 @@ class Planner:
                 return max(mine, key=lambda x: x.scan.last_now)
         if any(ds == dataset and (not job or j in ("", job)) for ds, j in self._orders):
             return None  # announced order: nothing to learn
-        return self._new_learner(dataset, job, m)
+        return self._new_learner(dataset, job, m, out)
 
     def _learn_read(self, ln: _Learner, fi: int, now: float, out: list[Action]) -> None:
         scan = ln.scan
@@ -677,6 +696,7 @@ class Planner:
     # -- endings ----------------------------------------------------------------------------
     def _end_job(self, dataset: str, job: str, out: list[Action]) -> None:
         cur = self._orders.pop((dataset, job), None)
+        self._order_seen.pop((dataset, job), None)
         if cur is not None:
             self._release_order(cur, out)
             out.append(SetFuture((), append=False, stream=f"{dataset}/{job}"))
@@ -688,6 +708,10 @@ class Planner:
     def _expire(self, now: float, out: list[Action]) -> None:
         for (ds, job), ln in list(self._learners.items()):
             if now - ln.scan.last_now > self.idle_timeout:
+                self.stats["idle_released"] += 1
+                self._end_job(ds, job, out)
+        for (ds, job), seen in list(self._order_seen.items()):
+            if now - seen > self.idle_timeout:  # announced, then nothing read for long
                 self.stats["idle_released"] += 1
                 self._end_job(ds, job, out)
 
