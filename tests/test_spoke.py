@@ -283,3 +283,25 @@ def test_slow_clients_are_closed_and_connections_capped(hub_server, tmp_path: Pa
                 break
             time.sleep(0.05)
         assert r.status == 200
+
+
+def test_warm_pins_are_bounded_and_lapse(hub_server, dataset: Path, tmp_path: Path) -> None:
+    def warm(base: str, doc: dict) -> urllib3.BaseHTTPResponse:
+        return http.request("POST", f"{base}/v1/datasets/ds/warm", body=json.dumps(doc),
+                            headers={"Content-Type": "application/json"})
+
+    def pinned(base: str) -> int:
+        return json.loads(get(f"{base}/v1/status").data)["cache"]["warm_pinned_bytes"]
+
+    with spoke(hub_server.url, tmp_path / "cache", "14MiB", "--pin-ttl", "1s") as s:
+        # The shards (13.2 MB) would pin more than 80% of a 14 MiB cache: refused, no pins.
+        r = warm(s.url, {"prefix": "shards/", "pin": True})
+        assert r.status == 400 and "pin at most" in json.loads(r.data)["error"]["message"]
+        assert pinned(s.url) == 0
+        small = sum(p.stat().st_size for p in (dataset / "class0").iterdir())
+        assert warm(s.url, {"prefix": "class0/", "pin": True}).status == 202
+        assert pinned(s.url) == small
+        end = time.monotonic() + 20  # the pins lapse after --pin-ttl (checked every 5 s)
+        while pinned(s.url) and time.monotonic() < end:
+            time.sleep(0.2)
+        assert pinned(s.url) == 0

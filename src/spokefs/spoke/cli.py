@@ -59,6 +59,9 @@ def register(sub: argparse._SubParsersAction) -> None:
                        help="how far one read of a large range fetches ahead of what its "
                        "client has taken (default 64MiB): a slow or abandoned reader holds "
                        "and pulls no more than this")
+    serve.add_argument("--pin-ttl", type=parse_duration, default=24 * 3600.0,
+                       metavar="DURATION", help="how long a warm-up's pins hold (default "
+                       "24h; warm again to renew); warm-ups may pin at most 80%% of the cache")
     serve.add_argument("--workers", type=int, default=None, metavar="N",
                        help="processes serving readers (default: the number of cores, at "
                        "most 16): one primary fills the cache, the others serve from it too")
@@ -82,7 +85,7 @@ def _serve(args: argparse.Namespace) -> int:
                          latest_ttl=args.latest_ttl, prefetch=not args.no_prefetch,
                          prefetch_inflight=args.prefetch_inflight,
                          pacing=not args.no_pacing, write_io=args.write_io,
-                         read_window=args.read_window)
+                         read_window=args.read_window, pin_ttl=args.pin_ttl)
     from spokefs.spoke.workers import default_workers, serve_workers
 
     workers = default_workers() if args.workers is None else args.workers

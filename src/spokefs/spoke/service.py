@@ -86,6 +86,8 @@ class SpokeConfig:
     # A read asks for at most this many bytes beyond what its client has taken, so a slow or
     # abandoned reader of a huge range holds and pulls one window, not the whole range.
     read_window: int = 64 << 20
+    pin_ttl: float = 24 * 3600.0    # a warm-up's pins are released after this long
+    pin_share: float = 0.8          # most of the capacity warm-ups may pin at once
 
     def direct_io(self) -> bool:
         """Whether cache writes bypass the page cache. A cache larger than half the memory
@@ -136,6 +138,9 @@ class SpokeBackend:
         self._telling: set[tuple[str, str]] = set()
         self._sizes: dict[str, int] = {}  # version -> size, in front of the index
         self._just_fetched: set[BlockKey] = set()  # fetched by object_size for a waiting read
+        # Blocks pinned by warm-ups: key -> (bytes, when the pin lapses); bounded by pin_share.
+        self._warm_pins: dict[BlockKey, tuple[int, float]] = {}
+        self.warm_pinned_bytes = 0
         self._last_upstream_error: str | None = None
         self.served: Any = None  # the API's served-bytes counter (wire.server sets it)
         self.started = time.time()
@@ -177,6 +182,7 @@ class SpokeBackend:
             await asyncio.sleep(5.0)
             self.store.flush_access_times()
             self.store.retry_writable()
+            self._expire_warm_pins(time.monotonic())
 
     # -- metadata ----------------------------------------------------------------------------
     async def _retrying(self, what: str, fn: Any, *args: Any) -> Any:
@@ -616,12 +622,55 @@ class SpokeBackend:
         bs = m.block_size
         keys = [(m.versions[i], b) for i in files for b in range(block_count(m.sizes[i], bs))]
         if pin:
-            for k in keys:
-                self.store.pin(k)
+            self._pin_warm(m, files)
         todo = [k for k in keys if k not in self.store]
         self.tasks.spawn(self._warm(m.dataset, todo), "warm")
         return {"files": len(files), "blocks": len(keys), "bytes": sum(m.sizes[i] for i in files),
                 "blocks_to_fetch": len(todo)}
+
+    def _file_blocks(self, m: Manifest, files: list[int]) -> list[tuple[BlockKey, int]]:
+        bs = m.block_size
+        return [((m.versions[i], b), min(bs, m.sizes[i] - b * bs)) for i in files
+                for b in range(block_count(m.sizes[i], bs))]
+
+    def _pin_warm(self, m: Manifest, files: list[int]) -> None:
+        """Pin the blocks of ``files`` for ``pin_ttl`` (again: the pin is renewed). Refused,
+        with nothing pinned, if warm-ups would then hold more than ``pin_share`` of the
+        cache: a cache that can evict nothing serves every other read by pass-through."""
+        blocks = self._file_blocks(m, files)
+        new = sum(size for key, size in dict(blocks).items() if key not in self._warm_pins)
+        limit = int(self.config.pin_share * self.store.capacity)
+        if self.warm_pinned_bytes + new > limit:
+            raise BadRequest(
+                f"pinning these files would hold {self.warm_pinned_bytes + new} bytes of a "
+                f"{self.store.capacity}-byte cache; warm-ups may pin at most {limit} "
+                "(unpin others, or warm without pinning)")
+        until = time.monotonic() + self.config.pin_ttl
+        for key, size in blocks:
+            if key not in self._warm_pins:
+                self.store.pin(key)
+                self.warm_pinned_bytes += size
+            self._warm_pins[key] = (size, until)
+
+    def unpin_warm(self, m: Manifest, files: list[int]) -> dict[str, int]:
+        """Release warm-up pins of ``files`` (the blocks stay cached, now evictable)."""
+        released = 0
+        for key, _ in self._file_blocks(m, files):
+            held = self._warm_pins.pop(key, None)
+            if held is not None:
+                self.store.unpin(key)
+                self.warm_pinned_bytes -= held[0]
+                released += 1
+        return {"blocks_unpinned": released, "warm_pinned_bytes": self.warm_pinned_bytes}
+
+    def _expire_warm_pins(self, now: float) -> None:
+        lapsed = [k for k, (_, until) in self._warm_pins.items() if until <= now]
+        for key in lapsed:
+            size, _ = self._warm_pins.pop(key)
+            self.store.unpin(key)
+            self.warm_pinned_bytes -= size
+        if lapsed:
+            log.info("warm-up pins lapsed on %d blocks (--pin-ttl)", len(lapsed))
 
     async def _warm(self, name: str, keys: list[BlockKey]) -> None:
         # A bounded window of fetches queued at a time: a million blocks is not a million
@@ -694,7 +743,7 @@ class SpokeBackend:
             "role": self.role, "upstream": self.config.upstream,
             "upstream_error": self.fetcher.last_error or self._last_upstream_error,
             "uptime_s": round(time.time() - self.started, 1),
-            "cache": self.store.stats(),
+            "cache": {**self.store.stats(), "warm_pinned_bytes": self.warm_pinned_bytes},
             "hits": hits, "misses": misses,
             "hit_ratio": hits / (hits + misses) if hits + misses else None,
             "inflight": q.active, "queued": q.queued,
