@@ -4,6 +4,10 @@ A read costs little per block: the version is a dictionary lookup (``HubState`` 
 reads ask in memory), the file is usually already open (a small cache of open files, each
 checked against the identity it was hashed under on every read), and the bytes go out with
 sendfile. Batch reads (``read_blocks``) serve many blocks per request.
+
+The tree may change or turn hostile under a published version: a file is opened only if it is
+still a regular file (no symlink followed, no FIFO or device opened blocking) with the device,
+inode, size, mtime and ctime it was hashed under; anything else answers 410 ``version_gone``.
 """
 
 from __future__ import annotations
@@ -19,7 +23,7 @@ from typing import BinaryIO
 from prometheus_client import CollectorRegistry, Counter
 
 from spokefs.errors import BadRequest, NotFound, SpokeError, VersionGone
-from spokefs.hub.snapshot import HubState, StoredFile
+from spokefs.hub.snapshot import HubState, NotRegularFile, StoredFile, identity, open_regular
 from spokefs.integrity import DIGEST_SIZE, block_count
 from spokefs.manifest import Manifest
 from spokefs.wire.backend import (
@@ -98,16 +102,16 @@ class HubBackend:
 
     def _file(self, name: str, version: str) -> tuple[BinaryIO, StoredFile]:
         """An open file holding ``version``, checked against the identity it was hashed under
-        on every read: the path must still name that inode with that size and mtime (a file
-        rewritten, replaced or deleted: 410, never other bytes). The caller owns the returned
-        file object (a duplicate of the cached descriptor)."""
+        on every read: the path must still name that inode with that size, mtime and ctime (a
+        file rewritten, replaced or deleted: 410, never other bytes). The caller owns the
+        returned file object (a duplicate of the cached descriptor)."""
+        root = self.states[name].root
         hit = self._open.get(version)
         if hit is not None:
             f, stored = hit
             try:
-                s = os.stat(os.path.join(self.states[name].root, stored.path))
-                same = (s.st_ino, s.st_size, s.st_mtime_ns) == (stored.ino, stored.size,
-                                                                stored.mtime_ns)
+                same = identity(os.stat(os.path.join(root, stored.path),
+                                        follow_symlinks=False)) == stored.identity
             except OSError:
                 same = False
             if same:
@@ -116,16 +120,19 @@ class HubBackend:
             del self._open[version]
             f.close()
         stored = self._stored(name, version)
-        # No realpath walk: the inode check below already refuses any other file, a symlink
-        # swapped in to point outside the dataset included.
+        # No realpath walk: the identity check below refuses any other file, one reached
+        # through a folder swapped for a symlink to outside the dataset included.
         try:
-            f = open(os.path.join(self.states[name].root, stored.path), "rb",  # noqa: SIM115
-                     buffering=0)
+            fd, s = open_regular(os.path.join(root, stored.path))
+        except NotRegularFile as exc:
+            self.gone.inc()
+            raise VersionGone(f"{stored.path!r} can no longer be served: {exc}; version "
+                              f"{version} is no longer available: use a newer snapshot") from exc
         except OSError as exc:
             self.gone.inc()
             raise VersionGone(f"{stored.path!r} can no longer be read: {exc.strerror}") from exc
-        s = os.fstat(f.fileno())
-        if (s.st_ino, s.st_size, s.st_mtime_ns) != (stored.ino, stored.size, stored.mtime_ns):
+        f = os.fdopen(fd, "rb", buffering=0)
+        if identity(s) != stored.identity:
             f.close()
             self.gone.inc()
             raise VersionGone(f"{stored.path!r} changed on the hub since its snapshot; version "

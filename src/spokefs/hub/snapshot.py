@@ -9,12 +9,20 @@ The hub's state directory holds an SQLite database and the encoded manifests:
 - ``snapshots``: the ordered list of snapshot ids; each id is a digest of the manifest's
   content, so an unchanged tree yields the same id and no new snapshot.
 
-Nothing outside the root is ever published: symlinks are followed only when their target lies
-inside the root, and then the entry is the target's content.
+Nothing outside the root is ever published: symlinks are followed only when their target is a
+file the scan publishes anyway (inside the root), and then the entry is that file's content,
+read from the target. The source tree may be hostile or changing while it is scanned: folders
+and files are opened without following symlinks and checked to be the inode the listing showed,
+only regular files are read (a FIFO or device never blocks a scan), and names that are not valid
+UTF-8 are left out with a warning (a manifest is JSON text: they cannot be published).
+
+A scan holds no lock that reads need: it walks and hashes with its own database connection, then
+commits in one short transaction and swaps what reads use in one assignment.
 """
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import logging
 import os
@@ -37,13 +45,77 @@ log = logging.getLogger(__name__)
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS files (
     path TEXT PRIMARY KEY, ino INTEGER, size INTEGER, mtime_ns INTEGER, ctime_ns INTEGER,
-    mode INTEGER, version TEXT, digests BLOB);
+    mode INTEGER, version TEXT, digests BLOB, dev INTEGER, src TEXT);
 CREATE INDEX IF NOT EXISTS files_version ON files(version);
 CREATE TABLE IF NOT EXISTS snapshots (
     seq INTEGER PRIMARY KEY AUTOINCREMENT, id TEXT UNIQUE, created REAL, files INTEGER,
     bytes INTEGER);
 CREATE TABLE IF NOT EXISTS settings (key TEXT PRIMARY KEY, value TEXT);
 """
+# Columns added since the first format (``ALTER TABLE`` on an older state, see ``open``). A row
+# from before ``dev`` was kept has it NULL: the next scan fills it in without re-hashing.
+_ADDED_COLUMNS = {"dev": "INTEGER", "src": "TEXT"}
+_INSERT_FILE = ("INSERT OR REPLACE INTO files (path, dev, ino, size, mtime_ns, ctime_ns, mode, "
+                "version, digests, src) VALUES (?,?,?,?,?,?,?,?,?,?)")
+
+# Reads of published bytes: never through a symlink, never blocking on open (a FIFO or device
+# swapped over a published file), never inherited by a child process.
+READ_FLAGS = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
+_DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
+
+Identity = tuple[int, int, int, int, int]
+
+
+def identity(s: os.stat_result) -> Identity:
+    """What tells a file's content apart without reading it: device, inode, size, mtime, ctime.
+    ctime cannot be set from user space, so a rewrite that keeps the size and puts the mtime
+    back (``cp -p``, ``rsync -t``) still changes it."""
+    return (s.st_dev, s.st_ino, s.st_size, s.st_mtime_ns, s.st_ctime_ns)
+
+
+class NotRegularFile(OSError):
+    """A published path that now names something other than a regular file."""
+
+
+def _kind(mode: int) -> str:
+    for test, name in ((statmod.S_ISFIFO, "a FIFO"), (statmod.S_ISCHR, "a character device"),
+                       (statmod.S_ISBLK, "a block device"), (statmod.S_ISSOCK, "a socket"),
+                       (statmod.S_ISDIR, "a folder")):
+        if test(mode):
+            return name
+    return "something else"
+
+
+def open_regular(path: str) -> tuple[int, os.stat_result]:
+    """A descriptor of ``path`` and its stat, only if it is a regular file; NotRegularFile for a
+    symlink, FIFO, device, socket or folder. The open cannot block (O_NONBLOCK) and the type is
+    taken from the open descriptor (fstat), so nothing can be swapped in between."""
+    try:
+        fd = os.open(path, READ_FLAGS)
+    except OSError as exc:
+        if exc.errno == errno.ELOOP:  # O_NOFOLLOW met a symlink as the last component
+            raise NotRegularFile("it is a symbolic link") from None
+        raise
+    try:
+        s = os.fstat(fd)
+        if not statmod.S_ISREG(s.st_mode):
+            raise NotRegularFile(f"it is {_kind(s.st_mode)}, not a regular file")
+        os.set_blocking(fd, True)  # no effect on a regular file; restored for plain semantics
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd, s
+
+
+def _is_utf8(name: str) -> bool:
+    """False for a name os.fsdecode gave surrogate escapes (bytes that are not UTF-8)."""
+    if name.isascii():
+        return True
+    try:
+        name.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
 
 
 @dataclass(frozen=True, slots=True)
@@ -61,13 +133,35 @@ class SnapshotInfo:
 
 @dataclass(frozen=True, slots=True)
 class StoredFile:
-    """Where a version's bytes live now, and the identity they were hashed under."""
+    """Where a version's bytes live now (a symlink's target for an entry published through
+    one), and the identity they were hashed under (``dev`` is None in a state from before it
+    was kept, until the next scan: such a row matches no file, so it is refused, never
+    misread)."""
 
     path: str
+    dev: int | None
     ino: int
     size: int
     mtime_ns: int
+    ctime_ns: int
     digests: bytes
+
+    @property
+    def identity(self) -> tuple[int | None, int, int, int, int]:
+        return (self.dev, self.ino, self.size, self.mtime_ns, self.ctime_ns)
+
+
+@dataclass(frozen=True, slots=True)
+class _View:
+    """What reads use, replaced whole in one assignment (never seen half updated)."""
+
+    snaps: list[SnapshotInfo]
+    by_version: dict[str, StoredFile]
+    data_version: int
+
+
+# A file the walk found: its stat, and where its bytes are read from if the path is a symlink.
+Found = tuple[os.stat_result, str | None]
 
 
 @dataclass(frozen=True, slots=True)
@@ -80,7 +174,8 @@ class ScanResult:
 
 def default_state_dir(root: Path, name: str) -> Path:
     base = Path(os.environ.get("XDG_STATE_HOME", Path.home() / ".local" / "state"))
-    tag = hashlib.blake2b(str(root.resolve()).encode(), digest_size=4).hexdigest()
+    # fsencode: the same bytes as str.encode() for a UTF-8 path, and no error for others.
+    tag = hashlib.blake2b(os.fsencode(root.resolve()), digest_size=4).hexdigest()
     return base / "spokefs" / "hub" / f"{name}-{tag}"
 
 
@@ -93,34 +188,52 @@ class HubState:
         self.state_dir = state_dir
         self.name = name
         self.block_size = block_size
+        # The readers' connection (``refresh`` on the event loop, loads after a scan). A scan
+        # holds this lock only to commit and reload; ``refresh`` never waits for it.
         self._db: sqlite3.Connection | None = None
-        self._lock = threading.RLock()  # scans run in a worker thread; reads in the loop
+        self._db_lock = threading.Lock()
+        self._scan_lock = threading.Lock()  # one scan at a time in this process
         # What reads ask, kept in memory (a read by version is a dict lookup, not SQL):
         # replaced whole after a scan here, or when another process (``spokefs hub
         # snapshot``) committed to the state database (``refresh``).
-        self._snaps: list[SnapshotInfo] = []
-        self._by_version: dict[str, StoredFile] = {}
-        self._data_version = -1
+        self._view = _View([], {}, -1)
 
     # -- lifecycle ---------------------------------------------------------------------------
     def open(self) -> HubState:
         if not self.root.is_dir():
             raise ConfigError(f"dataset directory {self.root} does not exist or is not a folder")
         (self.state_dir / "manifests").mkdir(parents=True, exist_ok=True)
-        db = sqlite3.connect(self.state_dir / "state.sqlite", check_same_thread=False,
-                             isolation_level=None, timeout=30)
+        db = self._connect(check_same_thread=False)
         db.execute("PRAGMA journal_mode=WAL")
-        db.execute("PRAGMA synchronous=NORMAL")
         db.executescript(_SCHEMA)
-        row = db.execute("SELECT value FROM settings WHERE key='block_size'").fetchone()
-        if row is None:
-            db.execute("INSERT INTO settings VALUES ('block_size', ?)", (str(self.block_size),))
-        elif int(row[0]) != self.block_size:
-            # Block digests depend on the block size: keep the one the state was built with.
-            self.block_size = int(row[0])
+        db.execute("BEGIN IMMEDIATE")  # another process may be upgrading the same state
+        try:
+            have = {r[1] for r in db.execute("PRAGMA table_info(files)")}
+            for col, kind in _ADDED_COLUMNS.items():
+                if col not in have:
+                    db.execute(f"ALTER TABLE files ADD COLUMN {col} {kind}")
+            row = db.execute("SELECT value FROM settings WHERE key='block_size'").fetchone()
+            if row is None:
+                db.execute("INSERT INTO settings VALUES ('block_size', ?)",
+                           (str(self.block_size),))
+            elif int(row[0]) != self.block_size:
+                # Block digests depend on the block size: keep the one the state was built with.
+                self.block_size = int(row[0])
+            db.execute("COMMIT")
+        except BaseException:
+            db.execute("ROLLBACK")
+            db.close()
+            raise
         self._db = db
-        self._load()
+        with self._db_lock:
+            self._load_locked()
         return self
+
+    def _connect(self, check_same_thread: bool = True) -> sqlite3.Connection:
+        db = sqlite3.connect(self.state_dir / "state.sqlite", check_same_thread=check_same_thread,
+                             isolation_level=None, timeout=30)
+        db.execute("PRAGMA synchronous=NORMAL")
+        return db
 
     def close(self) -> None:
         if self._db is not None:
@@ -134,29 +247,40 @@ class HubState:
         return self._db
 
     # -- queries -----------------------------------------------------------------------------
-    def _load(self) -> None:
-        with self._lock:
-            version = self.db.execute("PRAGMA data_version").fetchone()[0]
-            snaps = [SnapshotInfo(*r) for r in self.db.execute(
+    def _load_locked(self) -> None:
+        """Read what reads use from the database and publish it (caller holds ``_db_lock``)."""
+        db = self.db
+        db.execute("BEGIN")  # snapshots and files from one commit
+        try:
+            version = db.execute("PRAGMA data_version").fetchone()[0]
+            snaps = [SnapshotInfo(*r) for r in db.execute(
                 "SELECT id, seq, created, files, bytes FROM snapshots ORDER BY seq")]
-            by_version = {r[0]: StoredFile(*r[1:]) for r in self.db.execute(
-                "SELECT version, path, ino, size, mtime_ns, digests FROM files")}
-        self._snaps, self._by_version, self._data_version = snaps, by_version, version
+            by_version = {r[0]: StoredFile(*r[1:]) for r in db.execute(
+                "SELECT version, COALESCE(src, path), dev, ino, size, mtime_ns, ctime_ns, "
+                "digests FROM files")}
+        finally:
+            db.execute("COMMIT")
+        self._view = _View(snaps, by_version, version)
 
     def refresh(self) -> bool:
-        """Reload what reads use if another process committed a scan; True if it did."""
-        with self._lock:
-            version = self.db.execute("PRAGMA data_version").fetchone()[0]
-        if version == self._data_version:
+        """Reload what reads use if another process committed a scan; True if it did. Never
+        waits: while a scan in this process commits, it publishes what it wrote itself."""
+        if not self._db_lock.acquire(blocking=False):
             return False
-        self._load()
-        return True
+        try:
+            version = self.db.execute("PRAGMA data_version").fetchone()[0]
+            if version == self._view.data_version:
+                return False
+            self._load_locked()
+            return True
+        finally:
+            self._db_lock.release()
 
     def snapshots(self) -> list[SnapshotInfo]:
-        return self._snaps
+        return self._view.snaps
 
     def resolve(self, snap: str) -> SnapshotInfo:
-        snaps = self._snaps
+        snaps = self._view.snaps
         if snap == "latest":
             if snaps:
                 return snaps[-1]
@@ -170,51 +294,83 @@ class HubState:
         return self.state_dir / "manifests" / f"{snap_id}.json.gz"
 
     def stored(self, version: str) -> StoredFile | None:
-        return self._by_version.get(version)
+        return self._view.by_version.get(version)
 
     # -- scanning ----------------------------------------------------------------------------
-    def _walk(self) -> tuple[dict[str, os.stat_result], list[str]]:
-        """Every publishable file (path -> stat of its content) and every directory."""
-        files: dict[str, os.stat_result] = {}
+    def _walk(self) -> tuple[dict[str, Found], list[str]]:
+        """Every publishable file (path -> stat of its content, symlink target) and every
+        directory. Each folder is opened without following symlinks and must be the inode its
+        parent listed: a folder swapped for a symlink mid-walk never leads outside the root."""
+        regular: dict[str, os.stat_result] = {}
+        links: dict[str, str] = {}  # symlink path -> its target, relative to the root
         dirs = [""]
-        stack = [""]
+        stack: list[tuple[str, os.stat_result | None]] = [("", None)]
         root = str(self.root)
         while stack:
-            rel = stack.pop()
+            rel, listed = stack.pop()
             try:
-                it = os.scandir(os.path.join(root, rel) if rel else root)
+                fd = os.open(os.path.join(root, rel) if rel else root, _DIR_FLAGS)
             except OSError as exc:
                 log.warning("skipping unreadable folder %r: %s", rel or ".", exc)
                 continue
-            with it:
-                for de in it:
-                    path = f"{rel}/{de.name}" if rel else de.name
-                    try:
-                        if de.is_symlink():
-                            target = os.path.realpath(de.path)
-                            if os.path.commonpath([root, target]) != root:
-                                log.warning("skipping %r: symlink points outside the dataset", path)
+            try:
+                opened = os.fstat(fd)
+                if listed is not None and (opened.st_dev, opened.st_ino) != (listed.st_dev,
+                                                                             listed.st_ino):
+                    log.warning("skipping folder %r: it was replaced while the scan ran", rel)
+                    continue
+                with os.scandir(fd) as it:
+                    for de in it:
+                        path = f"{rel}/{de.name}" if rel else de.name
+                        if not _is_utf8(de.name):
+                            log.warning("skipping %r: its name is not valid UTF-8, so it cannot "
+                                        "be published (rename it to publish it)",
+                                        os.fsencode(path))
+                            continue
+                        try:
+                            if de.is_symlink():
+                                target = os.path.realpath(os.path.join(root, path))
+                                if os.path.commonpath([root, target]) != root or target == root:
+                                    log.warning("skipping %r: symlink points outside the dataset",
+                                                path)
+                                    continue
+                                links[path] = os.path.relpath(target, root)
                                 continue
-                            st = os.stat(target)
-                            if statmod.S_ISREG(st.st_mode):
-                                files[path] = st
-                            continue  # symlinked folders are not followed (no cycles)
-                        st = de.stat(follow_symlinks=False)
-                    except OSError as exc:
-                        log.warning("skipping %r: %s", path, exc)
-                        continue
-                    if statmod.S_ISDIR(st.st_mode):
-                        dirs.append(path)
-                        stack.append(path)
-                    elif statmod.S_ISREG(st.st_mode):
-                        files[path] = st
+                            st = de.stat(follow_symlinks=False)
+                        except OSError as exc:
+                            log.warning("skipping %r: %s", path, exc)
+                            continue
+                        if statmod.S_ISDIR(st.st_mode):
+                            dirs.append(path)
+                            stack.append((path, st))
+                        elif statmod.S_ISREG(st.st_mode):
+                            regular[path] = st
+            finally:
+                os.close(fd)
+        files: dict[str, Found] = {p: (st, None) for p, st in regular.items()}
+        dirset = set(dirs)
+        for path, target in links.items():
+            # Only a file this scan publishes anyway: never a stat or read through the link.
+            st = regular.get(target)
+            if st is not None:
+                files[path] = (st, target)
+            elif target not in dirset:  # symlinked folders are not followed (no cycles)
+                log.warning("skipping %r: its target %r is not a file of this dataset", path,
+                            target)
         dirs.sort()
         return files, dirs
 
-    def _hash_file(self, path: str, size: int, progress: Callable[[int], object]) -> list[bytes]:
+    def _hash_file(self, path: str, listed: os.stat_result, progress: Callable[[int], object]
+                   ) -> tuple[os.stat_result, list[bytes]]:
+        """Block digests of ``path`` (where the bytes are: a symlink's target) and the stat of
+        the open file taken before reading, which is the identity reads are checked against.
+        Only the regular file the walk listed is read (same device and inode)."""
+        fd, st = open_regular(os.path.join(self.root, path))
         digests = []
-        with open(os.path.join(self.root, path), "rb", buffering=0) as f:
-            remaining = size
+        with open(fd, "rb", buffering=0) as f:
+            if (st.st_dev, st.st_ino) != (listed.st_dev, listed.st_ino):
+                raise OSError(f"{path} was replaced while the scan ran")
+            remaining = st.st_size
             while remaining > 0:
                 data = f.read(min(self.block_size, remaining))
                 if not data:
@@ -222,60 +378,84 @@ class HubState:
                 digests.append(integrity.block_digest(data))
                 remaining -= len(data)
                 progress(len(data))
-        return digests
+        return st, digests
 
     def scan(self, show_progress: bool = False) -> ScanResult:
-        """Walk the tree, hash what changed, and record a snapshot if the content changed."""
-        with self._lock:
-            files, dirs = self._walk()
-            known = {r[0]: r[1:] for r in self.db.execute(
-                "SELECT path, ino, size, mtime_ns, ctime_ns, version FROM files")}
-            todo = [p for p, st in files.items()
-                    if known.get(p, (None,) * 5)[:4]
-                    != (st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)]
-            todo_bytes = sum(files[p].st_size for p in todo)
-            bar = tqdm(total=todo_bytes, unit="B", unit_scale=True, unit_divisor=1024,
-                       desc=f"hashing {len(todo)} files", disable=not show_progress or not todo,
-                       leave=False)
-            hashed_bytes = 0
+        """Walk the tree, hash what changed, and record a snapshot if the content changed.
+        Reads go on meanwhile: the walk and the hashing hold nothing they use."""
+        _ = self.db  # raises if open() was not called
+        with self._scan_lock:
+            db = self._connect()
             try:
-                self.db.execute("BEGIN")
-                for path in sorted(todo):
-                    st = files[path]
-                    try:
-                        digests = self._hash_file(path, st.st_size, bar.update)
-                    except OSError as exc:
-                        log.warning("skipping %r: %s", path, exc)
-                        files.pop(path)
-                        continue
-                    hashed_bytes += st.st_size
-                    version = integrity.version_id(st.st_size, self.block_size, digests)
-                    self.db.execute(
-                        "INSERT OR REPLACE INTO files VALUES (?,?,?,?,?,?,?,?)",
-                        (path, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns,
-                         st.st_mode & 0o7777, version, b"".join(digests)))
-                gone = [(p,) for p in known if p not in files]
-                self.db.executemany("DELETE FROM files WHERE path=?", gone)
-                self.db.execute("COMMIT")
-            except BaseException:
-                self.db.execute("ROLLBACK")
-                raise
+                return self._scan(db, show_progress)
             finally:
-                bar.close()
-            result = self._record_snapshot(dirs, len(todo), hashed_bytes)
-            self._load()
-            return result
+                db.close()
 
-    def _record_snapshot(self, dirs: list[str], n_hashed: int, hashed_bytes: int) -> ScanResult:
-        rows = self.db.execute(
+    def _scan(self, db: sqlite3.Connection, show_progress: bool) -> ScanResult:
+        files, dirs = self._walk()
+        known = {r[0]: r[1:] for r in db.execute(
+            "SELECT path, dev, ino, size, mtime_ns, ctime_ns, src FROM files")}
+        todo: list[str] = []
+        refill: list[tuple[int, str | None, str]] = []  # unchanged, but dev or src to record
+        for p, (st, src) in files.items():
+            k = known.get(p)
+            if (k is None or k[1:5] != (st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
+                    or k[0] not in (None, st.st_dev)):
+                todo.append(p)
+            elif k[0] is None or k[5] != src:
+                refill.append((st.st_dev, src, p))
+        todo_bytes = sum(files[p][0].st_size for p in todo)
+        bar = tqdm(total=todo_bytes, unit="B", unit_scale=True, unit_divisor=1024,
+                   desc=f"hashing {len(todo)} files", disable=not show_progress or not todo,
+                   leave=False)
+        rows = []
+        hashed_bytes = 0
+        try:
+            for path in sorted(todo):
+                listed, src = files[path]
+                try:
+                    st, digests = self._hash_file(src or path, listed, bar.update)
+                except OSError as exc:
+                    log.warning("skipping %r: %s", path, exc)
+                    files.pop(path)
+                    continue
+                hashed_bytes += st.st_size
+                version = integrity.version_id(st.st_size, self.block_size, digests)
+                rows.append((path, *identity(st), st.st_mode & 0o7777, version,
+                             b"".join(digests), src))
+        finally:
+            bar.close()
+        gone = [(p,) for p in known if p not in files]
+        # Reads skip their refresh while this holds the lock, and see the new state at once.
+        with self._db_lock:
+            db.execute("BEGIN IMMEDIATE")
+            try:
+                db.executemany(_INSERT_FILE, rows)
+                db.executemany("UPDATE files SET dev=?, src=? WHERE path=?", refill)
+                db.executemany("DELETE FROM files WHERE path=?", gone)
+                result = self._record_snapshot(db, dirs, len(rows), hashed_bytes)
+                db.execute("COMMIT")
+            except BaseException:
+                db.execute("ROLLBACK")
+                raise
+            self._load_locked()
+        if result.created_new:
+            s = result.snapshot
+            log.info("snapshot %s of %s: %d files, %d bytes (%d files hashed)", s.id, self.name,
+                     s.files, s.bytes, len(rows))
+        return result
+
+    def _record_snapshot(self, db: sqlite3.Connection, dirs: list[str], n_hashed: int,
+                         hashed_bytes: int) -> ScanResult:
+        rows = db.execute(
             "SELECT path, size, mode, mtime_ns, version FROM files ORDER BY path").fetchall()
         paths = [r[0] for r in rows]
         m = Manifest(self.name, "", 0.0, self.block_size, paths, [r[1] for r in rows],
                      [r[2] for r in rows], [r[3] for r in rows], [r[4] for r in rows], dirs)
         snap_id = hashlib.blake2b(m.identity(), digest_size=6).hexdigest()
-        existing = self.db.execute("SELECT id, seq, created, files, bytes FROM snapshots "
-                                   "WHERE id=?", (snap_id,)).fetchone()
-        latest = self.db.execute("SELECT id FROM snapshots ORDER BY seq DESC LIMIT 1").fetchone()
+        existing = db.execute("SELECT id, seq, created, files, bytes FROM snapshots "
+                              "WHERE id=?", (snap_id,)).fetchone()
+        latest = db.execute("SELECT id FROM snapshots ORDER BY seq DESC LIMIT 1").fetchone()
         if existing is not None and latest is not None and latest[0] == snap_id:
             return ScanResult(SnapshotInfo(*existing), False, n_hashed, hashed_bytes)
         created = time.time()
@@ -286,10 +466,8 @@ class HubState:
         tmp.write_bytes(m.encode())
         os.replace(tmp, target)  # manifest on disk before the snapshot is listed
         if existing is not None:  # the tree went back to an earlier state: list it again
-            self.db.execute("DELETE FROM snapshots WHERE id=?", (snap_id,))
-        cur = self.db.execute("INSERT INTO snapshots (id, created, files, bytes) VALUES (?,?,?,?)",
-                              (snap_id, created, len(paths), m.total_bytes))
+            db.execute("DELETE FROM snapshots WHERE id=?", (snap_id,))
+        cur = db.execute("INSERT INTO snapshots (id, created, files, bytes) VALUES (?,?,?,?)",
+                         (snap_id, created, len(paths), m.total_bytes))
         info = SnapshotInfo(snap_id, int(cur.lastrowid or 0), created, len(paths), m.total_bytes)
-        log.info("snapshot %s of %s: %d files, %d bytes (%d files hashed)", snap_id, self.name,
-                 len(paths), m.total_bytes, n_hashed)
         return ScanResult(info, True, n_hashed, hashed_bytes)

@@ -437,10 +437,12 @@ class Api:
                                                f"{quote(path)}/")
             subdirs, files = m.listdir(path)
             items = ['<li><a href="../">../</a></li>'] if path else []
-            items += [f'<li><a href="{quote(d)}/">{html.escape(d)}/</a></li>' for d in subdirs]
-            items += [f'<li><a href="{quote(f.path.rsplit("/", 1)[-1])}">'
-                      f'{html.escape(f.path.rsplit("/", 1)[-1])}</a> {f.size}</li>'
-                      for f in files]
+            # surrogateescape: a name from an old snapshot may not be UTF-8 (500 otherwise)
+            items += [f'<li><a href="{quote(d, errors="surrogateescape")}/">'
+                      f'{html.escape(d)}/</a></li>' for d in subdirs]
+            names = [(f.path.rsplit("/", 1)[-1], f.size) for f in files]
+            items += [f'<li><a href="{quote(n, errors="surrogateescape")}">'
+                      f'{html.escape(n)}</a> {size}</li>' for n, size in names]
             title = f"{ds}@{snap_id}/{path}"
             return _html_page(title, "".join(items), {H_SNAPSHOT: snap_id})
         raise NotFound(f"{ds}@{snap_id} has no file or folder {path!r}")
