@@ -3,14 +3,27 @@
 from __future__ import annotations
 
 import asyncio
+import gzip
+import json
 import os
 import sqlite3
+import subprocess
+import sys
+import threading
 from pathlib import Path
 
 import pytest
 import xxhash
 
+from spokefs.cache.durable import (
+    load_manifest_checked,
+    manifest_file,
+    store_manifest,
+    write_durably,
+)
 from spokefs.cache.store import BlockStore
+from spokefs.errors import CacheLocked, ConfigError, ManifestError
+from spokefs.manifest import Manifest
 from spokefs.policy import make_policy
 
 KiB = 1024
@@ -303,3 +316,253 @@ def test_residency_feed_hands_out_each_entry_once_in_order() -> None:
     got, cur = feed.since(50, 10)  # a cursor from a spoke that has restarted since
     assert [k for k, _ in got] == [5, 6, 7, 8] and cur == 9
     assert feed.since(2, 0) == ([], 5)  # a zero limit only moves a stale cursor on
+
+
+# -- one owner per cache folder; readers are never blocked ----------------------------------
+
+_HOLDER = """
+import sys
+from pathlib import Path
+from spokefs.cache.store import BlockStore
+from spokefs.policy import make_policy
+s = BlockStore(Path(sys.argv[1]), 1 << 26, make_policy("lru"), fsync=False).open()
+print("ready", flush=True)
+sys.stdin.read()
+s.close()
+"""
+
+
+def _store(root: Path, **kw: object) -> BlockStore:
+    return BlockStore(root, 64 << 20, make_policy("lru"), fsync=False, **kw)  # type: ignore
+
+
+def test_a_second_store_on_the_same_folder_fails_naming_folder_and_pid(tmp_path: Path
+                                                                       ) -> None:
+    h = Harness(tmp_path)
+    for i in range(5):
+        assert h.put((f"v{i}", 0), block(i, 50_000))
+    with pytest.raises(CacheLocked) as info:
+        _store(tmp_path).open()
+    message = str(info.value)
+    assert str(tmp_path) in message and f"process {os.getpid()}" in message
+    assert isinstance(info.value, ConfigError)  # the CLI reports it as a bad option
+    # The refused store touched nothing: the first goes on serving its blocks.
+    assert all(h.read((f"v{i}", 0)) == block(i, 50_000) for i in range(5))
+    h.close()
+    h2 = Harness(tmp_path)  # once the first has closed, the folder opens again
+    assert len(h2.store) == 5 and h2.read(("v3", 0)) == block(3, 50_000)
+    h2.close()
+
+
+def test_another_process_holds_the_folder_until_it_ends(tmp_path: Path) -> None:
+    proc = subprocess.Popen([sys.executable, "-c", _HOLDER, str(tmp_path)],
+                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout is not None and proc.stdout.readline().strip() == "ready"
+        with pytest.raises(CacheLocked, match=f"process {proc.pid}"):
+            _store(tmp_path).open()
+        proc.kill()  # as kill -9: the kernel lets go of the lock, no stale lock file
+        proc.wait(30)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(30)
+    s = _store(tmp_path).open()
+    s.close()
+
+
+def test_readers_of_the_cache_in_other_processes_are_not_blocked(tmp_path: Path) -> None:
+    """A replica worker and a same-host mount read the segment files (spokefs.cache.shared)
+    and inspect reads the index, all while the owner holds the lock."""
+    h = Harness(tmp_path)
+    data = block(7, 300 * KiB)
+    assert h.put(("v", 0), data)
+    h.store.worker.flush()
+    loc = h.store.get(("v", 0))
+    assert loc is not None
+    entry = {"seg": loc.seg.id, "offset": loc.offset, "size": loc.size,
+             "digest": loc.digest.hex(), "chunks": loc.chunks.hex()}
+    reader = (
+        "import json, sys, xxhash\n"
+        "from pathlib import Path\n"
+        "from spokefs.cache.shared import SharedCache\n"
+        "from spokefs.cache.inspect import store_check\n"
+        "root, cid, entry = Path(sys.argv[1]), sys.argv[2], json.loads(sys.argv[3])\n"
+        "c = SharedCache(root, cid)\n"
+        "assert c.usable()\n"
+        "loc = c.loc(entry)\n"
+        "got = c.read(loc, 0, loc.size)\n"
+        "print(xxhash.xxh3_128_hexdigest(bytes(got)), json.dumps(store_check(root)))\n")
+    out = subprocess.run([sys.executable, "-c", reader, str(tmp_path), h.store.instance,
+                          json.dumps(entry)], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    digest, check = out.stdout.split(" ", 1)
+    assert digest == xxhash.xxh3_128_hexdigest(data)
+    assert json.loads(check)["whole"] == 1
+    h.close()
+
+
+# -- only a damaged index is dropped; a busy one is waited for, never wiped ------------------
+
+def _exclusive(root: Path) -> sqlite3.Connection:
+    """Another connection holding the index locked (as a process stuck mid-write would)."""
+    db = sqlite3.connect(root / "index.sqlite", isolation_level=None, check_same_thread=False)
+    db.execute("PRAGMA locking_mode=EXCLUSIVE")
+    db.execute("BEGIN EXCLUSIVE")
+    return db
+
+
+def _filled(root: Path, n: int = 6) -> None:
+    h = Harness(root)
+    for i in range(n):
+        assert h.put((f"v{i}", 0), block(i, 40_000))
+    h.close()
+
+
+def test_a_busy_index_past_the_timeout_fails_the_open_and_wipes_nothing(tmp_path: Path
+                                                                         ) -> None:
+    _filled(tmp_path)
+    segs = sorted(p.name for p in (tmp_path / "segments").iterdir())
+    db = _exclusive(tmp_path)
+    try:
+        with pytest.raises(ConfigError, match="database is locked") as info:
+            _store(tmp_path, busy_timeout=0.3).open()
+        assert "left as it is" in str(info.value)
+        assert sorted(p.name for p in (tmp_path / "segments").iterdir()) == segs
+    finally:
+        db.close()
+    # The lock was let go on the failure: once the index is free, every block is back.
+    h = Harness(tmp_path)
+    assert len(h.store) == 6 and all(h.read((f"v{i}", 0)) == block(i, 40_000)
+                                     for i in range(6))
+    h.close()
+
+
+def test_a_busy_index_is_waited_for_within_the_timeout(tmp_path: Path) -> None:
+    _filled(tmp_path)
+    db = _exclusive(tmp_path)
+    timer = threading.Timer(0.5, db.close)  # the other writer finishes a moment later
+    timer.start()
+    try:
+        s = _store(tmp_path, busy_timeout=20).open()
+    finally:
+        timer.join()
+    assert len(s) == 6
+    s.close()
+
+
+def test_a_damaged_index_is_still_dropped_and_the_cache_starts_empty(tmp_path: Path) -> None:
+    _filled(tmp_path)
+    for name in ("index.sqlite-wal", "index.sqlite-shm"):
+        (tmp_path / name).unlink(missing_ok=True)
+    (tmp_path / "index.sqlite").write_bytes(b"this is not an SQLite database" * 200)
+    h = Harness(tmp_path)
+    assert len(h.store) == 0 and not list((tmp_path / "segments").glob("*.seg"))
+    assert h.put(("v", 0), block(1, 1000)) and h.read(("v", 0)) == block(1, 1000)
+    h.close()
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="needs root to mount a small tmpfs")
+def test_a_volume_too_full_to_open_the_index_still_starts(tmp_path: Path) -> None:
+    """The one case besides damage where the index goes: SQLite cannot even open it (no room
+    for its -shm file). Documented: start empty, which frees the space, rather than not at
+    all (the chaos suite's disk_full restarts so)."""
+    root = tmp_path / "cache"
+    root.mkdir()
+    r = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=2m", "tmpfs", str(root)],
+                       capture_output=True, text=True)
+    if r.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs: {r.stderr.strip()}")
+    try:
+        _filled(root, 3)
+        subprocess.run(["dd", "if=/dev/zero", f"of={root / 'filler'}", "bs=64k"],
+                       capture_output=True)
+        h = Harness(root)
+        assert len(h.store) == 0 and h.read(("v0", 0)) is None
+        h.close()
+    finally:
+        subprocess.run(["umount", "-l", str(root)], capture_output=True)
+
+
+# -- paths built from upstream names; durable, checked manifests ----------------------------
+
+def _real_manifest(n: int = 3) -> tuple[str, bytes]:
+    paths = [f"d/f{i}" for i in range(n)]
+    m = Manifest("ds", "", 1.0, 4 << 20, paths, [10] * n, [0o644] * n, [5] * n,
+                 [f"{i:032x}" for i in range(n)], ["", "d"])
+    snap = m.content_id()
+    full = Manifest("ds", snap, 1.0, 4 << 20, paths, m.sizes, m.modes, m.mtimes, m.versions,
+                    m.dirs)
+    return snap, full.encode()
+
+
+@pytest.mark.parametrize("dataset,snap", [
+    ("ds", "../../etc/x"), ("ds", "a/b"), ("ds", ""), ("ds", "A" * 12), ("ds", "0" * 13),
+    ("ds", "latest"), ("../x", "0" * 12), ("", "0" * 12), ("a/b", "0" * 12)])
+def test_manifest_paths_are_built_only_from_checked_names(tmp_path: Path, dataset: str,
+                                                          snap: str) -> None:
+    h = Harness(tmp_path)
+    try:
+        with pytest.raises(ManifestError, match="refusing a manifest path"):
+            h.store.manifest_path(dataset, snap)
+        assert h.store.manifest_path("ds", "0123456789ab") == (
+            tmp_path / "manifests" / "ds" / "0123456789ab.json.gz")
+    finally:
+        h.close()
+
+
+def test_write_durably_replaces_whole_and_leaves_no_temporary_file(tmp_path: Path) -> None:
+    target = tmp_path / "a" / "b" / "file.bin"  # folders made on the way
+    write_durably(target, b"first")
+    write_durably(target, memoryview(b"second, longer"))
+    assert target.read_bytes() == b"second, longer"
+    assert [p.name for p in target.parent.iterdir()] == ["file.bin"]
+
+
+def test_a_kept_manifest_loads_only_when_it_matches_its_id(tmp_path: Path) -> None:
+    snap, blob = _real_manifest()
+    path = manifest_file(tmp_path, "ds", snap)
+    assert load_manifest_checked(path, snap, "ds") is None  # none kept yet
+    store_manifest(path, blob, snap, "ds")
+    assert load_manifest_checked(path, snap, "ds") == blob
+    assert load_manifest_checked(path, snap, "ds") == blob  # again (remembered as checked)
+
+
+@pytest.mark.parametrize("damage", ["truncated", "tampered", "garbage", "empty",
+                                    "another snapshot"])
+def test_a_damaged_kept_manifest_is_detected_deleted_and_missing(tmp_path: Path,
+                                                                 damage: str) -> None:
+    snap, blob = _real_manifest()
+    path = manifest_file(tmp_path, "ds", snap)
+    store_manifest(path, blob, snap, "ds")
+    assert load_manifest_checked(path, snap, "ds") == blob  # checked once: remembered
+    if damage == "truncated":  # as after a crash of a writer that did not fsync
+        with open(path, "r+b") as f:
+            f.truncate(len(blob) // 2)
+    elif damage == "tampered":  # well-formed, same snapshot named, other content
+        doc = json.loads(gzip.decompress(blob))
+        doc["sizes"][0] += 1
+        path.write_bytes(gzip.compress(json.dumps(doc).encode()))
+    elif damage == "garbage":
+        path.write_bytes(os.urandom(len(blob)))
+    elif damage == "empty":
+        path.write_bytes(b"")
+    else:
+        other_blob = _real_manifest(4)[1]
+        path.write_bytes(other_blob)
+    assert load_manifest_checked(path, snap, "ds") is None
+    assert not path.exists()  # deleted: the caller fetches it again and keeps a good copy
+    store_manifest(path, blob, snap, "ds")
+    assert load_manifest_checked(path, snap, "ds") == blob
+
+
+def test_a_bad_manifest_from_upstream_is_never_kept(tmp_path: Path) -> None:
+    snap, blob = _real_manifest()
+    path = manifest_file(tmp_path, "ds", snap)
+    for bad in (blob[:-5], b"{}", _real_manifest(5)[1]):
+        with pytest.raises(ManifestError):
+            store_manifest(path, bad, snap, "ds")
+        assert not path.exists()
+    with pytest.raises(ManifestError):
+        store_manifest(path, blob, snap, "other-dataset")
+    assert not path.exists()

@@ -7,7 +7,11 @@
     ├── RangeNotSatisfiable         a range past the end of a file (HTTP 416)
     ├── UpstreamUnavailable         upstream unreachable past the deadline (HTTP 503)
     ├── IntegrityError              bytes that do not match their digest
-    └── ConfigError                 a bad size, duration, URL or option
+    ├── ConfigError                 a bad size, duration, URL or option
+    │   └── CacheLocked             a cache folder another process already uses
+    └── BadUpstream                 an upstream answer refused: too large, malformed (HTTP 502)
+        └── ManifestError           a manifest that breaks a rule or does not match its id
+                                    (also a ValueError)
     Transient                       an upstream failure worth retrying (not a SpokeError:
                                     it never reaches a user; retries end in UpstreamUnavailable)
 
@@ -75,6 +79,28 @@ class ConfigError(SpokeError, argparse.ArgumentTypeError):
     # An ArgumentTypeError too: argparse reports a bad option value with this message.
     status = 400
     code = "config"
+
+
+class BadUpstream(SpokeError):
+    """The upstream answered with something this side refuses to use (an answer larger than
+    its bound, a malformed document). Final: asking again gets the same answer."""
+
+    status = 502
+    code = "bad_upstream"
+
+
+class ManifestError(BadUpstream, ValueError):
+    """A manifest that does not decode, breaks one of its rules (spokefs.manifest), or does
+    not match the snapshot id it was fetched or stored under. A ValueError too, so code that
+    caught the decoder's ValueError before still does."""
+
+    code = "bad_manifest"
+
+
+class CacheLocked(ConfigError):
+    """Another process (another spoke, or an embedded cache of a mount) holds the cache
+    folder: two owners of one index and one set of segment files would destroy each
+    other's blocks."""
 
 
 class Transient(Exception):

@@ -2,9 +2,20 @@
 
 Layout of ``cache_dir``::
 
+    lock                         flock'd by the one process that owns the folder; holds its pid
+    instance                     the folder's random id (spokefs.cache.shared)
     index.sqlite                 what is resident (WAL mode), object sizes, small facts
     segments/<id>.seg            blocks appended at 4 KiB boundaries (spokefs.cache.segments)
-    manifests/<dataset>/<snapshot>.json.gz
+    manifests/<dataset>/<snapshot>.json.gz   (spokefs.cache.durable)
+
+One owner. ``open`` takes an exclusive ``flock`` on ``lock`` and holds it until ``close`` (or
+the process ends: a killed spoke leaves no stale lock), so a second spoke, or a mount's embedded
+cache, on the same folder fails at once with ``CacheLocked`` naming the holder's pid instead of
+freeing regions the first one still indexes. Readers that only read -- a spoke's replica
+workers and a same-host mount (spokefs.cache.shared), ``spokefs.cache.inspect`` -- never take
+the lock and are never blocked by it. File names are built from integers (segment ids) and
+fixed names only; the one path built from names that can come from upstream, a manifest's, is
+checked right before it is built (``manifest_path``).
 
 Who does what. The event loop owns the index (a dict of ``Loc``) and the eviction policy and
 never waits on the disk or on SQL; one worker thread (``spokefs.cache.worker``) writes blocks
@@ -29,6 +40,7 @@ and the caller serves the bytes it has without keeping them ("pass-through").
 from __future__ import annotations
 
 import errno
+import fcntl
 import logging
 import os
 import secrets
@@ -42,6 +54,7 @@ from pathlib import Path
 
 import xxhash
 
+from spokefs.cache.durable import manifest_file
 from spokefs.cache.segments import Segment, SegmentFiles, aligned, check_hole_punching
 from spokefs.cache.worker import (
     DELETE_BLOCK,
@@ -52,6 +65,7 @@ from spokefs.cache.worker import (
     StoreWorker,
     connect,
 )
+from spokefs.errors import CacheLocked, ConfigError
 from spokefs.policy import BlockKey, EvictionPolicy
 
 log = logging.getLogger(__name__)
@@ -62,6 +76,69 @@ FORMAT = "2"  # 1: a file per block under blocks/
 
 
 INSTANCE_FILE = "instance"
+LOCK_FILE = "lock"
+# SQLite's primary result codes that mean the index file itself is damaged or is not an index.
+_CORRUPT_CODES = (sqlite3.SQLITE_CORRUPT, sqlite3.SQLITE_NOTADB)
+_NO_SPACE_CODES = (sqlite3.SQLITE_FULL, sqlite3.SQLITE_IOERR)
+_FULL_BELOW = 1 << 20  # free bytes under which a volume counts as full
+
+
+def _why_drop(exc: sqlite3.Error, root: Path) -> str | None:
+    """Why an index that failed to open must be dropped, or None to leave it alone. Only two
+    reasons: it is damaged, or the volume is too full for SQLite to open it at all (WAL needs
+    a -shm file), where dropping it frees the space to start rather than not start (the
+    documented behaviour, ``disk_full`` in the chaos suite). Busy or locked (another
+    connection, past the busy timeout), an I/O error with space left, or a permission error
+    say nothing about the index and never cost the cache."""
+    code = getattr(exc, "sqlite_errorcode", None)
+    if code is None:
+        text = str(exc)
+        return "damaged" if "malformed" in text or "not a database" in text else None
+    primary = code & 0xFF  # extended codes carry the primary one in the low byte
+    if primary in _CORRUPT_CODES:
+        return "damaged"
+    if primary in _NO_SPACE_CODES:
+        try:
+            st = os.statvfs(root)
+        except OSError:
+            return None
+        if st.f_bavail * st.f_frsize < _FULL_BELOW:
+            return "on a volume too full to open it"
+    return None
+
+
+def lock_folder(root: Path) -> int | None:
+    """Take the cache folder's lock for this process (the descriptor holds it; closing it lets
+    go). CacheLocked, naming the folder and the holder's pid, if another process has it. None
+    (and a warning) where the filesystem has no locks: the folder is then unguarded."""
+    path = root / LOCK_FILE
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        try:
+            pid = os.pread(fd, 32, 0).decode("ascii", "replace").strip()
+        except OSError:
+            pid = ""
+        os.close(fd)
+        holder = f"process {pid}" if pid.isdigit() else "another process"
+        raise CacheLocked(
+            f"cache folder {root} is in use by {holder} (another spoke, or a mount with an "
+            f"embedded cache, holds {path}); give each one a --cache-dir of its own, or stop "
+            "that one first") from None
+    except OSError as exc:
+        os.close(fd)
+        if exc.errno in (errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOSYS):
+            log.warning("cache: %s has no file locks (%s); nothing stops a second spoke from "
+                        "using the folder at the same time", root, exc)
+            return None
+        raise
+    try:  # who holds it, for the message above (the lock itself is the flock, not this)
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+    except OSError:
+        pass  # a full volume: the lock still holds, the message names no pid
+    return fd
 
 
 def instance_id(cache_dir: Path) -> str:
@@ -181,8 +258,11 @@ class StoreEvents:
 
 class BlockStore:
     def __init__(self, root: Path, capacity: int, policy: EvictionPolicy,
-                 fsync: bool = True, chunk_size: int = CHUNK, direct_io: bool = False) -> None:
+                 fsync: bool = True, chunk_size: int = CHUNK, direct_io: bool = False,
+                 busy_timeout: float = 30.0) -> None:
         self.root = root
+        self.busy_timeout = busy_timeout  # how long opening waits out a lock on the index
+        self._lock_fd: int | None = None
         self.capacity = capacity
         self.policy = policy
         self.fsync = fsync
@@ -215,22 +295,51 @@ class BlockStore:
         loop). ``call_in_loop(fn)`` runs fn on the owner's event loop from the worker
         (``loop.call_soon_threadsafe``); without it, fn runs in the worker (tests)."""
         self._loop_call = call_in_loop
+        self.root.mkdir(parents=True, exist_ok=True)
+        # First of all: nothing below (least of all dropping an index) happens in a folder
+        # another process owns.
+        self._lock_fd = lock_folder(self.root)
+        try:
+            return self._open_locked()
+        except BaseException:
+            if self._worker is not None:  # failed after the index opened: not started yet
+                self._worker.db.close()
+                self._worker = None
+            self._segs.close()
+            self._unlock()
+            raise
+
+    def _open_locked(self) -> BlockStore:
         for sub in ("segments", "manifests"):
             (self.root / sub).mkdir(parents=True, exist_ok=True)
         check_hole_punching(self.root / "segments")
+        index = self.root / "index.sqlite"
         try:
             db = self._open_db()
-            rows = db.execute("SELECT version, idx, seg, off, size, digest, chunks, dataset "
-                              "FROM blocks ORDER BY last_access").fetchall()
-            self._sizes = {str(v): int(s) for v, s in db.execute(
-                "SELECT version, size FROM objects")}
-            self._kv = {str(k): str(v) for k, v in db.execute("SELECT key, value FROM kv")}
-        except sqlite3.DatabaseError as exc:
-            # A corrupt index, or a volume too full for SQLite's WAL files: without the index
-            # no block can be trusted, so start empty rather than fail to start (a crash
-            # loop needs an operator). Removing the segments also frees the space.
-            log.error("cache: index %s is unusable (%s); starting with an empty cache",
-                      self.root / "index.sqlite", exc)
+            try:
+                rows = db.execute("SELECT version, idx, seg, off, size, digest, chunks, "
+                                  "dataset FROM blocks ORDER BY last_access").fetchall()
+                self._sizes = {str(v): int(s) for v, s in db.execute(
+                    "SELECT version, size FROM objects")}
+                self._kv = {str(k): str(v) for k, v in db.execute("SELECT key, value FROM kv")}
+            except BaseException:
+                db.close()
+                raise
+        except sqlite3.Error as exc:
+            why = _why_drop(exc, self.root)
+            if why is None:
+                # Busy ("database is locked": another process has the index open and writes
+                # to it, past busy_timeout), unreadable, an I/O error: the blocks may be
+                # perfectly good. Fail to start, loudly, and leave every byte as it is.
+                raise ConfigError(
+                    f"cache: cannot open the index {index}: {exc}. The cache was left as it "
+                    "is; if another process uses this folder, stop it, then start again"
+                    ) from exc
+            # Damaged, or no room to open it: without the index no block can be trusted, so
+            # start empty rather than fail to start (a crash loop needs an operator).
+            # Removing the segments also frees their space.
+            log.error("cache: index %s is %s (%s); starting with an empty cache", index, why,
+                      exc)
             for name in ("index.sqlite", "index.sqlite-wal", "index.sqlite-shm"):
                 (self.root / name).unlink(missing_ok=True)
             shutil.rmtree(self.root / "segments", ignore_errors=True)
@@ -243,8 +352,18 @@ class BlockStore:
         self._worker.start()
         return self
 
+    def _unlock(self) -> None:
+        if self._lock_fd is not None:
+            os.close(self._lock_fd)  # lets go of the flock
+            self._lock_fd = None
+
+    def manifest_path(self, dataset: str, snapshot_id: str) -> Path:
+        """Where a manifest is kept in this folder; ManifestError unless the dataset is a
+        dataset name and the id a snapshot id (either may have come from upstream)."""
+        return manifest_file(self.root, dataset, snapshot_id)
+
     def _open_db(self) -> sqlite3.Connection:
-        db = connect(self.root / "index.sqlite")
+        db = connect(self.root / "index.sqlite", self.busy_timeout)
         try:
             fmt = db.execute("SELECT value FROM kv WHERE key='store_format'").fetchone()
             if fmt is None or fmt[0] != FORMAT:
@@ -325,6 +444,7 @@ class BlockStore:
             self._worker.db.close()
             self._worker = None
         self._segs.close()
+        self._unlock()  # last: the folder is consistent on disk before another may take it
 
     @property
     def worker(self) -> StoreWorker:

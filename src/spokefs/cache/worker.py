@@ -39,8 +39,11 @@ SET_OBJECT = "INSERT OR REPLACE INTO objects VALUES (?,?)"
 SET_KV = "INSERT OR REPLACE INTO kv VALUES (?,?)"
 
 
-def connect(path: Path) -> sqlite3.Connection:
-    db = sqlite3.connect(path, check_same_thread=False, isolation_level=None, timeout=30)
+def connect(path: Path, busy_timeout: float = 30.0) -> sqlite3.Connection:
+    """The index, in WAL mode. ``busy_timeout``: how long a statement waits for a lock another
+    connection holds before it fails with "database is locked" (never a reason to wipe)."""
+    db = sqlite3.connect(path, check_same_thread=False, isolation_level=None,
+                         timeout=busy_timeout)
     try:
         db.execute("PRAGMA journal_mode=WAL")
         db.execute("PRAGMA synchronous=NORMAL")

@@ -31,6 +31,7 @@ from typing import Any
 
 from prometheus_client import CollectorRegistry
 
+from spokefs.cache.durable import load_manifest_checked, store_manifest
 from spokefs.cache.feed import ResidencyFeed
 from spokefs.cache.store import BlockStore, Loc, read_loc
 from spokefs.errors import (
@@ -42,7 +43,7 @@ from spokefs.errors import (
 )
 from spokefs.integrity import DEFAULT_BLOCK_SIZE, block_count, blocks_in_range
 from spokefs.linkmodel import LinkModel
-from spokefs.manifest import Manifest
+from spokefs.manifest import Manifest, is_snapshot_id
 from spokefs.planner import Planner
 from spokefs.policy import POLICIES, BlockKey, EvictionPolicy, make_policy
 from spokefs.retry import backoff_delays
@@ -247,8 +248,8 @@ class SpokeBackend:
             if info.latest is None:
                 raise NotFound(f"dataset {name!r} has no snapshot yet")
             return info.latest
-        if any(s.get("id") == snap for s in info.snapshots) or self._manifest_file(
-                name, snap).exists():
+        if any(s.get("id") == snap for s in info.snapshots) or (
+                is_snapshot_id(snap) and self._manifest_file(name, snap).exists()):
             return snap
         # Maybe newer than our cached dataset info: ask upstream (404 if unknown there too).
         self._datasets.pop(name, None)
@@ -258,7 +259,8 @@ class SpokeBackend:
         raise NotFound(f"dataset {name!r} has no snapshot {snap!r}")
 
     def _manifest_file(self, name: str, snap_id: str) -> Path:
-        return self.store.root / "manifests" / name / f"{snap_id}.json.gz"
+        # Both names may have come from upstream (a dataset's "latest"): checked, then joined.
+        return self.store.manifest_path(name, snap_id)
 
     async def manifest_blob(self, name: str, snap_id: str) -> bytes:
         key = (name, snap_id)
@@ -285,22 +287,17 @@ class SpokeBackend:
 
     async def _load_manifest_blob(self, name: str, snap_id: str) -> bytes:
         path = self._manifest_file(name, snap_id)
-        try:
-            return await asyncio.to_thread(path.read_bytes)
-        except FileNotFoundError:
-            pass
+        # A kept copy is served only if it decodes and matches its snapshot id; a damaged one
+        # is deleted (None) and fetched again.
+        blob = await asyncio.to_thread(load_manifest_checked, path, snap_id, name)
+        if blob is not None:
+            return blob
         blob = await self._retrying(f"the manifest of {name}@{snap_id}",
                                     self.upstream.manifest_blob, name, snap_id)
-
-        def persist() -> None:
-            path.parent.mkdir(parents=True, exist_ok=True)
-            # A name of its own: two readers may fetch the same manifest at once.
-            tmp = path.with_suffix(f".{os.getpid()}.{threading.get_ident()}.tmp")
-            tmp.write_bytes(blob)
-            tmp.replace(path)
-
         try:
-            await asyncio.to_thread(persist)
+            # Checked first (ManifestError, a 502: nothing kept, nothing served), then
+            # written durably (temporary file, fsync, rename, fsync of the folder).
+            await asyncio.to_thread(store_manifest, path, blob, snap_id, name)
         except OSError as exc:
             log.warning("cannot keep manifest %s@%s on disk: %s", name, snap_id, exc)
         return blob

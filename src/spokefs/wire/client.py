@@ -4,6 +4,14 @@ Kept-alive connections in a pool sized for many range requests in flight (a 60 m
 filled by parallelism, not by bigger requests). Errors are mapped at this boundary:
 ``Transient`` (connection refused or reset, timeouts, 5xx) may be retried; a ``SpokeError``
 (404, 410, 416, 400) is the upstream's final answer.
+
+Every body is read against a bound, checked on the declared length first and then as bytes
+arrive, so an upstream (or anything posing as one) cannot grow this process's memory without
+end: JSON answers ``max_json_bytes`` (16 MiB; a locate answer for the largest batch is ~2 MB),
+manifests ``MAX_MANIFEST_BLOB`` (1 GiB as sent; ``Manifest.decode`` bounds the decompressed
+JSON too), a range read what it asked for. Past the bound: ``BadUpstream``, final (asking
+again gets the same answer). ``forward`` is the exception: a replica passes its clients'
+requests to its own primary through it, answers of any size included.
 """
 
 from __future__ import annotations
@@ -17,9 +25,12 @@ from dataclasses import dataclass
 
 import aiohttp
 
-from spokefs.errors import Transient, from_status
-from spokefs.manifest import Manifest
+from spokefs.errors import BadUpstream, Transient, from_status
+from spokefs.manifest import MAX_MANIFEST_BLOB, MAX_MANIFEST_BYTES, Manifest
 from spokefs.wire.server import H_BLOCK_SIZE, H_DIGEST
+
+MAX_JSON_BYTES = 16 << 20
+_ERROR_BODY_BYTES = 1 << 20  # room for an error answer to a read of a few bytes
 
 
 @dataclass(frozen=True, slots=True)
@@ -37,8 +48,14 @@ class UpstreamClient:
 
     def __init__(self, base_url: str, max_connections: int = 128,
                  request_timeout: float = 60.0, unix_socket: str | None = None,
-                 answers_final: bool = False) -> None:
+                 answers_final: bool = False, max_json_bytes: int = MAX_JSON_BYTES,
+                 max_manifest_bytes: int = MAX_MANIFEST_BLOB,
+                 max_manifest_json: int = MAX_MANIFEST_BYTES) -> None:
         self.base_url = base_url.rstrip("/")
+        # Bounds on what an answer may hold (see the module docstring).
+        self.max_json_bytes = max_json_bytes
+        self.max_manifest_bytes = max_manifest_bytes   # as sent (gzip'd)
+        self.max_manifest_json = max_manifest_json     # decompressed, when decoded here
         # Every answer is final, 5xx included (a spoke's primary worker has already retried
         # its own upstream): only a failed connection is worth retrying.
         self.answers_final = answers_final
@@ -73,29 +90,50 @@ class UpstreamClient:
             self._session = None
 
     async def _get(self, path: str, headers: dict[str, str] | None = None,
-                   method: str = "GET") -> tuple[int, dict[str, str], bytes]:
-        status, headers, body, _ = await self._get_timed(path, headers, method)
+                   method: str = "GET", limit: int | None = None
+                   ) -> tuple[int, dict[str, str], bytes]:
+        status, headers, body, _ = await self._get_timed(path, headers, method, limit=limit)
         return status, headers, body
 
     async def _get_timed(self, path: str, headers: dict[str, str] | None = None,
-                         method: str = "GET", on_bytes: Callable[[int], None] | None = None
+                         method: str = "GET", on_bytes: Callable[[int], None] | None = None,
+                         limit: int | None = None
                          ) -> tuple[int, dict[str, str], bytes, float]:
         """_get, and the time.monotonic() at which the response's headers arrived;
-        ``on_bytes`` hears the size of each piece of the body as it arrives."""
+        ``on_bytes`` hears the size of each piece of the body as it arrives. A body of more
+        than ``limit`` bytes (``max_json_bytes`` if None) raises BadUpstream."""
         url = f"{self.base_url}{path}"
+        limit = self.max_json_bytes if limit is None else limit
         try:
             async with self.session.request(method, url, headers=headers) as resp:
                 first_byte = self.last_received = time.monotonic()
-                chunks = []
-                async for chunk in resp.content.iter_any():
-                    self.last_received = time.monotonic()  # the upstream is alive, if slow
-                    chunks.append(chunk)
-                    if on_bytes is not None:
-                        on_bytes(len(chunk))
-                return resp.status, dict(resp.headers), b"".join(chunks), first_byte
+                # A HEAD answer's Content-Length is the object's size; it has no body.
+                body = b"" if method == "HEAD" else await self._body(
+                    resp, limit, f"{method} {path}", on_bytes)
+                return resp.status, dict(resp.headers), body, first_byte
         except (TimeoutError, aiohttp.ClientError, OSError) as exc:
             raise Transient(f"{type(exc).__name__}: {exc}" if str(exc) else
                             type(exc).__name__) from exc
+
+    async def _body(self, resp: aiohttp.ClientResponse, limit: int, what: str,
+                    on_bytes: Callable[[int], None] | None = None) -> bytes:
+        """The whole body, or BadUpstream as soon as it is known to pass ``limit`` (from its
+        Content-Length, else from the bytes counted as they arrive); leaving the response
+        unread closes its connection."""
+        declared = resp.content_length
+        if declared is not None and declared > limit:
+            raise _too_large(what, resp.status, f"{declared}", limit)
+        chunks = []
+        got = 0
+        async for chunk in resp.content.iter_any():
+            self.last_received = time.monotonic()  # the upstream is alive, if slow
+            got += len(chunk)
+            if got > limit:
+                raise _too_large(what, resp.status, f"more than {got - 1}", limit)
+            chunks.append(chunk)
+            if on_bytes is not None:
+                on_bytes(len(chunk))
+        return b"".join(chunks)
 
     def _check(self, status: int, body: bytes, what: str) -> None:
         if status >= 400:
@@ -128,7 +166,8 @@ class UpstreamClient:
     async def post_json(self, path: str, doc: object) -> dict:
         try:
             async with self.session.post(f"{self.base_url}{path}", json=doc) as resp:
-                body = await resp.read()
+                self.last_received = time.monotonic()
+                body = await self._body(resp, self.max_json_bytes, f"POST {path}")
                 status = resp.status
         except (TimeoutError, aiohttp.ClientError, OSError) as exc:
             raise Transient(str(exc) or type(exc).__name__) from exc
@@ -137,7 +176,7 @@ class UpstreamClient:
 
     async def manifest_blob(self, dataset: str, snap: str) -> bytes:
         path = f"/v1/datasets/{dataset}/snapshots/{snap}/manifest"
-        status, headers, body = await self._get(path)
+        status, headers, body = await self._get(path, limit=self.max_manifest_bytes)
         self._check(status, body, path)
         if headers.get("Content-Encoding", "") != "gzip":
             body = gzip.compress(body)
@@ -145,7 +184,7 @@ class UpstreamClient:
 
     async def manifest(self, dataset: str, snap: str) -> Manifest:
         blob = await self.manifest_blob(dataset, snap)
-        return await asyncio.to_thread(Manifest.decode, blob)
+        return await asyncio.to_thread(Manifest.decode, blob, self.max_manifest_json)
 
     async def read_range(self, dataset: str, version: str, start: int, end: int,
                          on_bytes: Callable[[int], None] | None = None) -> Block:
@@ -153,7 +192,8 @@ class UpstreamClient:
         ``on_bytes`` hears the size of each piece of the body as it arrives."""
         path = f"/v1/datasets/{dataset}/objects/{version}"
         status, headers, body, first_byte = await self._get_timed(
-            path, {"Range": f"bytes={start}-{end - 1}"}, on_bytes=on_bytes)
+            path, {"Range": f"bytes={start}-{end - 1}"}, on_bytes=on_bytes,
+            limit=max(end - start, _ERROR_BODY_BYTES))  # never more than asked for
         self._check(status, body, f"{path} [{start},{end})")
         size = _total_size(headers, len(body))
         want = min(end, size) - start
@@ -182,6 +222,12 @@ def raise_for_status(status: int, body: bytes, what: str) -> None:
     except ValueError:
         doc = None
     raise from_status(status, doc, f"upstream answered {status} for {what}")
+
+
+def _too_large(what: str, status: int, size: str, limit: int) -> BadUpstream:
+    # No upstream address in the message: it may travel on to a client in an answer.
+    return BadUpstream(f"the upstream answered {what} with {status} and a body of {size} "
+                       f"bytes, more than the {limit} read from it; refused")
 
 
 def _total_size(headers: dict[str, str], body_len: int) -> int:

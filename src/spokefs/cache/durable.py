@@ -1,0 +1,181 @@
+"""Metadata a spoke keeps on disk (manifests), written so a crash never leaves a bad copy and
+read back only after a check.
+
+Blocks need no fsync of their own (every read checks them against their digests, see
+spokefs.cache.store); a manifest file is different: a spoke serves it as it is and plans from
+it, so it must be whole. ``write_durably`` writes a temporary file, flushes it, renames it into
+place and flushes the folder: after a crash the name holds the old file, the new one or
+nothing, never a torn one. ``load_manifest_checked`` still checks what it reads (a disk can
+lose what it acknowledged, a person can edit a file): a copy that does not decode or does not
+match its snapshot id is deleted and reported missing, and the caller fetches it again.
+
+Paths are built from names that may come from upstream (a dataset's ``latest`` snapshot id):
+``manifest_file`` checks both names right before it joins them, so nothing can lead out of the
+folder.
+"""
+
+from __future__ import annotations
+
+import errno
+import logging
+import os
+import threading
+from pathlib import Path
+
+from spokefs.errors import BadRequest, ManifestError
+from spokefs.manifest import MAX_MANIFEST_BLOB, is_snapshot_id, verify
+from spokefs.wire.paths import check_dataset_name
+
+log = logging.getLogger(__name__)
+
+# Files checked since they were last changed, so a manifest a spoke serves to every mount that
+# starts is decoded once per process, not once per request (a million-file manifest takes ~1 s
+# to check). Any write through the filesystem changes the ctime (which no one can set back),
+# so a changed file is checked again; rot below the filesystem is caught at the next start.
+_Stat = tuple[int, int, int, int, int]
+_checked: dict[str, _Stat] = {}
+_checked_lock = threading.Lock()
+_CHECKED_KEEP = 256
+
+
+def write_durably(path: Path, data: bytes | bytearray | memoryview) -> None:
+    """Replace ``path`` with ``data`` so that a crash leaves the old content or the new, whole:
+    temporary file, fsync, rename, fsync of the folder (and of any folder made for it)."""
+    folder = path.parent
+    _make_dirs(folder)
+    # A name of its own per process and thread: two loads may write one file at once.
+    tmp = folder / f".{path.name}.{os.getpid()}.{threading.get_ident()}.tmp"
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o666)
+    try:
+        try:
+            view = memoryview(data).cast("B")
+            while view:
+                view = view[os.write(fd, view):]
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    _fsync_dir(folder)
+
+
+def manifest_file(root: Path, dataset: str, snapshot_id: str) -> Path:
+    """``root/manifests/<dataset>/<snapshot_id>.json.gz``, after checking that the dataset is a
+    dataset name and the id a snapshot id (12 lower-case hex digits): ManifestError otherwise,
+    so an id from upstream such as ``../../x`` never becomes a path."""
+    try:
+        check_dataset_name(dataset)
+    except BadRequest as exc:
+        raise ManifestError(f"refusing a manifest path: {exc}") from None
+    if not is_snapshot_id(snapshot_id):
+        raise ManifestError(f"refusing a manifest path: {snapshot_id[:80]!r} is not a "
+                            "snapshot id (12 lower-case hex digits)")
+    return root / "manifests" / dataset / f"{snapshot_id}.json.gz"
+
+
+def store_manifest(path: Path, blob: bytes, snapshot_id: str, dataset: str | None = None
+                   ) -> None:
+    """Check ``blob`` is the manifest of ``snapshot_id`` (ManifestError if not: nothing is
+    written), then write it durably."""
+    verify(blob, snapshot_id, dataset)
+    write_durably(path, blob)
+    try:
+        _remember(path, os.stat(path))
+    except OSError:
+        pass
+
+
+def load_manifest_checked(path: Path, snapshot_id: str, dataset: str | None = None
+                          ) -> bytes | None:
+    """The manifest kept at ``path`` if it decodes and matches ``snapshot_id`` (and
+    ``dataset``); None if there is none, or if it fails the check -- then it is deleted (and
+    logged), and the caller fetches it again."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    except FileNotFoundError:
+        return None
+    try:
+        st = os.fstat(fd)
+        # Larger than any manifest is kept: not read at all (it would only fail the check).
+        blob = _read_all(fd, st.st_size) if st.st_size <= MAX_MANIFEST_BLOB else None
+    except OSError as exc:
+        log.warning("cannot read the kept manifest %s (%s); fetching it again", path, exc)
+        return None
+    finally:
+        os.close(fd)
+    if blob is not None and _was_checked(path, st):
+        return blob
+    try:
+        if blob is None:
+            raise ManifestError(f"{st.st_size} bytes, more than {MAX_MANIFEST_BLOB}")
+        verify(blob, snapshot_id, dataset)
+    except ManifestError as exc:
+        log.warning("kept manifest %s is damaged (%s); deleted, fetching it again", path, exc)
+        _forget(path)
+        try:  # only the file we read: a good copy renamed in meanwhile stays
+            now = os.stat(path)
+            if (now.st_dev, now.st_ino) == (st.st_dev, st.st_ino):
+                path.unlink()
+        except OSError:
+            pass
+        return None
+    _remember(path, st)
+    return blob
+
+
+def _read_all(fd: int, size: int) -> bytes:
+    chunks = []
+    while True:
+        piece = os.read(fd, max(size, 1 << 20))
+        if not piece:
+            return b"".join(chunks)
+        chunks.append(piece)
+
+
+def _key(st: os.stat_result) -> _Stat:
+    return (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
+
+
+def _was_checked(path: Path, st: os.stat_result) -> bool:
+    with _checked_lock:
+        return _checked.get(str(path)) == _key(st)
+
+
+def _remember(path: Path, st: os.stat_result) -> None:
+    with _checked_lock:
+        _checked[str(path)] = _key(st)
+        while len(_checked) > _CHECKED_KEEP:
+            _checked.pop(next(iter(_checked)))
+
+
+def _forget(path: Path) -> None:
+    with _checked_lock:
+        _checked.pop(str(path), None)
+
+
+def _make_dirs(folder: Path) -> None:
+    """``mkdir -p``, flushing the parent of each folder made (its entry is metadata too)."""
+    missing = []
+    at = folder
+    while not at.is_dir():
+        missing.append(at)
+        at = at.parent
+    for d in reversed(missing):
+        try:
+            d.mkdir()
+        except FileExistsError:
+            continue  # made meanwhile by another thread, which flushes it
+        _fsync_dir(d.parent)
+
+
+def _fsync_dir(folder: Path) -> None:
+    fd = os.open(folder, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    try:
+        os.fsync(fd)
+    except OSError as exc:
+        if exc.errno not in (errno.EINVAL, errno.EOPNOTSUPP):  # cannot flush a folder here
+            raise
+    finally:
+        os.close(fd)
