@@ -66,8 +66,37 @@ class UpstreamUnavailable(SpokeError):
     code = "upstream_unavailable"
 
     def __init__(self, message: str, upstream: str, cause: str) -> None:
-        super().__init__(message)
-        self.details = {"upstream": upstream, "cause": cause}
+        super().__init__(message)  # the whole story, for the log
+        self.upstream = upstream
+        self.cause = cause
+
+    def to_json(self) -> dict[str, object]:
+        """What a client is told: what was unavailable and the kind of failure, never the
+        upstream's address or its raw error text (those are in the server's log)."""
+        text, kind = str(self), cause_kind(self.cause)
+        if self.upstream:
+            text = text.replace(f"upstream {self.upstream}", "the upstream")
+            text = text.replace(self.upstream, "the upstream")
+        if self.cause:
+            text = text.replace(self.cause, kind)
+        return {"error": {"code": self.code, "message": text, "cause": kind}}
+
+
+_CAUSE_KINDS = (("refused", "connection refused"), ("cannot connect", "cannot connect"),
+                ("reset", "connection reset"),
+                ("timed out", "timed out"), ("timeout", "timed out"),
+                ("no answer", "no answer"), ("sent nothing", "no answer"),
+                ("stalled", "no answer"), ("answered 5", "upstream error"),
+                ("name or service", "name not resolved"), ("resolve", "name not resolved"))
+
+
+def cause_kind(cause: str) -> str:
+    """A failure's kind in a few words, safe to show anyone ("connection refused")."""
+    low = cause.lower()
+    for needle, kind in _CAUSE_KINDS:
+        if needle in low:
+            return kind
+    return "unreachable" if cause else ""
 
 
 class IntegrityError(SpokeError):

@@ -669,8 +669,9 @@ def case_long_cut(c: Case) -> None:
         err: dict[str, Any] = {}
         with contextlib.suppress(ValueError, KeyError):
             err = json.loads(r.data)["error"]
-        c.check(err.get("code") == "upstream_unavailable" and err.get("upstream") == wan.url
-                and err.get("cause"), f"503 body lacks code/upstream/cause: {r.data[:300]!r}")
+        c.check(err.get("code") == "upstream_unavailable" and err.get("cause")
+                and wan.url.split("//", 1)[1] not in r.data.decode(errors="replace"),
+                f"503 body lacks code/cause or names the upstream: {r.data[:300]!r}")
         c.check(elapsed <= dl + s.slack, f"503 after {elapsed:.2f}s, deadline {dl:g}s")
         # The client library says the same, as an exception.
         t1 = time.monotonic()
@@ -678,7 +679,9 @@ def case_long_cut(c: Case) -> None:
             c.client_reader(sp.url, snap, 30)(victim)
             c.check(False, "spokefs.open read an uncached file during the cut")
         except spokefs.UpstreamUnavailable as exc:
-            c.check(wan.url in str(exc), f"UpstreamUnavailable does not name the upstream: {exc}")
+            # It says what was unavailable; the spoke's upstream address stays in its log.
+            c.check("unavailable" in str(exc) or "upstream" in str(exc),
+                    f"UpstreamUnavailable does not say what failed: {exc}")
         client_s = time.monotonic() - t1
         c.check(client_s <= dl + s.slack, f"spokefs.open failed after {client_s:.2f}s")
         # The spoke itself is healthy: status, cached data.

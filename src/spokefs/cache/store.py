@@ -338,8 +338,8 @@ class BlockStore:
             # Damaged, or no room to open it: without the index no block can be trusted, so
             # start empty rather than fail to start (a crash loop needs an operator).
             # Removing the segments also frees their space.
-            log.error("cache: index %s is %s (%s); starting with an empty cache", index, why,
-                      exc)
+            log.error("cache: index %s is unusable: %s (%s); starting with an empty cache",
+                      index, why, exc)
             for name in ("index.sqlite", "index.sqlite-wal", "index.sqlite-shm"):
                 (self.root / name).unlink(missing_ok=True)
             shutil.rmtree(self.root / "segments", ignore_errors=True)
