@@ -9,7 +9,7 @@ from collections import Counter
 
 import pytest
 
-from spokefs.errors import ConfigError
+from spokefs.errors import BadRequest, ConfigError
 from spokefs.planner import (
     DEMAND,
     WORKING_SET_PRIORITY,
@@ -29,6 +29,7 @@ from spokefs.planner import (
     WorkingSet,
     WorkingSetLearned,
 )
+from spokefs.planner.order import MAX_ORDER_ENTRIES, OrderTooLarge
 from spokefs.policy import BlockKey
 
 KiB, MiB, GiB = 1 << 10, 1 << 20, 1 << 30
@@ -344,6 +345,28 @@ def test_million_entry_announcement_is_fast() -> None:
     assert elapsed < 3.0, f"announcing 1M entries took {elapsed:.2f}s"
     assert isinstance(actions[0], SetFuture) and len(actions[0].keys) == n
     assert sum(1 for a in actions if isinstance(a, Fetch)) > 0
+
+
+def test_order_ranges_are_checked_and_clipped() -> None:
+    m = Manifest.from_entries([(f"shard-{s}.tar", f"v{s}", 16 * MiB) for s in range(2)]
+                              + [("empty", "ve", 0)], BS)
+    s0, s1, empty = (m.index(p) for p in ("shard-0.tar", "shard-1.tar", "empty"))
+    h = Harness(m, lookahead_bytes=64 * MiB)
+    for ranges in ([(0, True)], [(0, 1.5)], [(-1, 10)], [(16 * MiB, 1)], [(0, 0)],
+                   [(-(10**15), 10**15 + 1)], [("0", 1)], [(0, 1, 2)], "0-1", [(0, 1)] * 2):
+        with pytest.raises(BadRequest):
+            h.send(OrderAnnounced("ds", "j", 0, [s0], ranges))  # type: ignore[arg-type]
+    assert h.p.pinned_bytes == 0 and not h.fetches("order")
+    t = time.perf_counter()  # a huge length is the rest of the file, however many entries
+    h.send(OrderAnnounced("ds", "j", 1, [s0, s1, empty] * 10_000,
+                          [(MiB, 10**15), (0, 2**80), (0, 10**15)] * 10_000))
+    assert time.perf_counter() - t < 3
+    fetched = {f.key for f in h.fetches("order")}
+    assert fetched and fetched <= {m.key(i, b) for i in (s0, s1) for b in range(4)}
+    h.read(s0, 0, MiB, job="j")  # reads go on as usual
+    assert h.p.order_position("ds", "j") is not None
+    with pytest.raises(OrderTooLarge):
+        h.send(OrderAnnounced("ds", "k", 0, array("l", [empty]) * (MAX_ORDER_ENTRIES + 1)))
 
 
 # -- misc ---------------------------------------------------------------------------------

@@ -4,6 +4,7 @@
     ├── NotFound                    unknown dataset, snapshot, path or version (HTTP 404)
     ├── VersionGone                 a pinned file version the hub can no longer serve (HTTP 410)
     ├── BadRequest                  malformed request or path that tries to escape (HTTP 400)
+    │   └── TooLarge                a body or a list in it past its bound (HTTP 413)
     ├── RangeNotSatisfiable         a range past the end of a file (HTTP 416)
     ├── UpstreamUnavailable         upstream unreachable past the deadline (HTTP 503)
     ├── IntegrityError              bytes that do not match their digest
@@ -49,6 +50,13 @@ class VersionGone(SpokeError):
 class BadRequest(SpokeError):
     status = 400
     code = "bad_request"
+
+
+class TooLarge(BadRequest):
+    """A request body, or a list in it, past its bound (HTTP 413)."""
+
+    status = 413
+    code = "too_large"
 
 
 class RangeNotSatisfiable(SpokeError):
@@ -149,6 +157,8 @@ def from_status(status: int, body: dict | None, fallback: str) -> SpokeError:
         return RangeNotSatisfiable(message, int(err.get("size", -1)))
     if status == 400:
         return BadRequest(message)
+    if status == 413:
+        return TooLarge(message)
     if status == 503:
         return UpstreamUnavailable(message, str(err.get("upstream", "")), str(err.get("cause", "")))
     return SpokeError(f"HTTP {status}: {message}")

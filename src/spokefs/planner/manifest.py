@@ -89,9 +89,11 @@ class Manifest:
         return (self.versions[i], b)
 
     def blocks_of(self, i: int, offset: int = 0, length: int | None = None) -> range:
-        """Block indexes of file ``i`` that bytes [offset, offset+length) touch."""
+        """Block indexes of file ``i`` that bytes [offset, offset+length) touch, clipped to
+        the file: never more than ``nblocks(i)`` of them, whatever the numbers asked."""
         size = self.sizes[i]
         end = size if length is None else min(size, offset + length)
+        offset = max(0, offset)  # a negative offset would count blocks before the file
         if end <= offset:  # nothing to read (past the end, empty file, zero length)
             return range(0)
         return range(offset // self.block_size, (end - 1) // self.block_size + 1)

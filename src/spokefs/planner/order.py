@@ -8,6 +8,10 @@ The reader's position is a low watermark: every position before it has been read
 arrive out of order (several DataLoader workers) as long as they land less than ``window``
 positions past the farthest position read; a position the reads have passed by more than
 ``window`` counts as read (skipped), so the cursor cannot stall.
+
+An announcement comes from a client: ``check_order`` checks it whole (types, bounds, size)
+before anything is built from it, so a bad entry is a 4xx and leaves no half-built order, and
+the work it causes is bounded by the blocks its files have, not by the numbers it holds.
 """
 
 from __future__ import annotations
@@ -17,8 +21,84 @@ from bisect import bisect_right
 from collections.abc import Iterator, Sequence
 from itertools import accumulate
 
+from spokefs.errors import BadRequest, TooLarge
 from spokefs.planner.manifest import Manifest
 from spokefs.policy import BlockKey
+
+MAX_ORDER_ENTRIES = 4_000_000  # entries (files, or ranges of files) in one announcement
+MAX_ORDER_BLOCKS = 16_000_000  # block positions one announcement may add (~25 bytes each)
+
+
+class OrderTooLarge(TooLarge):
+    """An announcement past ``MAX_ORDER_ENTRIES`` entries or ``MAX_ORDER_BLOCKS`` blocks."""
+
+
+def _show(value: object) -> str:
+    text = repr(value)
+    return text if len(text) <= 60 else f"{text[:57]}..."
+
+
+def check_order(sizes: Sequence[int], block_size: int, files: Sequence[int],
+                ranges: object = None) -> list[tuple[int, int]] | None:
+    """Check an announced order before anything is built from it; returns its ranges clipped
+    to their files (None: whole files).
+
+    ``files`` are manifest indexes: ints in [0, len(sizes)). ``ranges`` is None or, as JSON
+    gave it, one ``[offset, length]`` per entry: integers (not booleans, not floats) with
+    0 <= offset < the file's size (0 for an empty file) and length > 0; a length past the end
+    of the file is clipped to it (what it returns passes this check unchanged). Raises
+    BadRequest naming the first bad entry, OrderTooLarge past ``MAX_ORDER_ENTRIES`` entries
+    or ``MAX_ORDER_BLOCKS`` blocks.
+    """
+    n = len(files)
+    if n > MAX_ORDER_ENTRIES:
+        raise OrderTooLarge(f"an order has at most {MAX_ORDER_ENTRIES:,} entries, not {n:,}: "
+                            "announce fewer (an epoch at a time)")
+    # One pass in C over a million entries; the Python loop only finds the culprit.
+    int_array = isinstance(files, array) and files.typecode in "bBhHiIlLqQ"
+    if not int_array and not set(map(type, files)) <= {int}:
+        bad = next(f for f in files if type(f) is not int)
+        raise BadRequest(f"order entries must be manifest indexes (integers), not {_show(bad)}")
+    if n and (min(files) < 0 or max(files) >= len(sizes)):
+        bad = next(f for f in files if not 0 <= f < len(sizes))
+        raise BadRequest(f"order entry {bad} is not a file of the manifest "
+                         f"(indexes are in [0, {len(sizes)}))")
+    entry_sizes = list(map(sizes.__getitem__, files))
+    if ranges is None:
+        blocks = n if max(entry_sizes, default=0) <= block_size else sum(
+            max(1, -(-size // block_size)) for size in entry_sizes)
+        _check_blocks(blocks)
+        return None
+    if not isinstance(ranges, list | tuple):
+        raise BadRequest(f'"ranges" must be a list of [offset, length], not {_show(ranges)}')
+    if len(ranges) != n:
+        raise BadRequest(f'"ranges" must hold one [offset, length] per entry: {n} entries, '
+                         f"{len(ranges)} ranges")
+    out: list[tuple[int, int]] = []
+    blocks = 0
+    for j, (r, size) in enumerate(zip(ranges, entry_sizes, strict=True)):
+        if (not isinstance(r, list | tuple) or len(r) != 2 or type(r[0]) is not int
+                or type(r[1]) is not int):
+            raise BadRequest(f"ranges[{j}] must be [offset, length] (two integers), "
+                             f"not {_show(r)}")
+        offset, length = r
+        if not (0 <= offset < size or offset == size == 0) or length <= 0:
+            raise BadRequest(f"ranges[{j}] = [{offset}, {length}] of a {size}-byte file: "
+                             "needs 0 <= offset < size and length > 0")
+        # A huge length is the rest of the file (an empty file's entry keeps length 1: it
+        # touches nothing, and the clipped order passes this check again unchanged).
+        length = min(length, max(1, size - offset))
+        out.append((offset, length))
+        if size:
+            blocks += (offset + length - 1) // block_size - offset // block_size + 1
+    _check_blocks(blocks)
+    return out
+
+
+def _check_blocks(blocks: int) -> None:
+    if blocks > MAX_ORDER_BLOCKS:
+        raise OrderTooLarge(f"an order covers at most {MAX_ORDER_BLOCKS:,} blocks, not "
+                            f"{blocks:,}: announce fewer (an epoch at a time)")
 
 
 class OrderKeys(Sequence[BlockKey]):
@@ -63,19 +143,23 @@ class OrderCursor:
 
     def extend(self, files: Sequence[int], ranges: Sequence[tuple[int, int]] | None) -> range:
         """Append entries (manifest indexes, optional (offset, length) each); returns the new
-        positions. Consecutive entries in one block make one position."""
+        positions. Consecutive entries in one block make one position. The entries are
+        checked whole first (``check_order``): a bad one raises and leaves the cursor as it
+        was."""
         m = self.manifest
+        ranges = check_order(m.sizes, m.block_size, files, ranges)
         base = len(self.files)
         sizes, bs = m.sizes, m.block_size
         entry_sizes = list(map(sizes.__getitem__, files)) if ranges is None else []
         if ranges is None and max(entry_sizes, default=0) <= bs:
             # The common case (no file larger than a block) without a Python loop per entry.
-            self.files.extend(array("l", files))
-            self.blocks.extend(array("l", [0]) * len(entry_sizes))
+            new_files = array("l", files)
+            new_blocks = array("l", [0]) * len(entry_sizes)
             running = accumulate(entry_sizes, initial=self.cum[-1])
             next(running)  # the old total, already there
-            self.cum.extend(running)
+            new_cum = array("q", running)
         else:
+            new_files, new_blocks, new_cum = array("l"), array("l"), array("q")
             last = (self.files[-1], self.blocks[-1]) if base else (-1, -1)
             total = self.cum[-1]
             for j, f in enumerate(files):
@@ -84,11 +168,14 @@ class OrderCursor:
                     if (f, b) == last:
                         continue
                     last = (f, b)
-                    self.files.append(f)
-                    self.blocks.append(b)
+                    new_files.append(f)
+                    new_blocks.append(b)
                     total += m.block_bytes(f, b)
-                    self.cum.append(total)
-        self.consumed.extend(bytes(len(self.files) - base))
+                    new_cum.append(total)
+        self.files.extend(new_files)
+        self.blocks.extend(new_blocks)
+        self.cum.extend(new_cum)
+        self.consumed.extend(bytes(len(new_files)))
         return range(base, len(self.files))
 
     def keys(self, positions: range) -> OrderKeys:

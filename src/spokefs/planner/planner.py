@@ -29,7 +29,7 @@ from spokefs.planner.events import (
 )
 from spokefs.planner.events import Cancel as CancelAction
 from spokefs.planner.manifest import DEFAULT_BLOCK_SIZE, Manifest
-from spokefs.planner.order import OrderCursor
+from spokefs.planner.order import OrderCursor, check_order
 from spokefs.planner.readahead import Readahead
 from spokefs.planner.workingset import ENDGAME, KEEP, SEEN, ScanState, WorkingSet
 from spokefs.policy import BlockKey
@@ -388,6 +388,8 @@ class Planner:
                     f"{ev.dataset!r}, e.g. {missing[0]!r}; announce paths of its snapshot"
                 )
             files = idx  # type: ignore[assignment]
+        # Checked whole before anything changes: a bad order keeps the job's earlier one.
+        check_order(m.sizes, m.block_size, files, ev.ranges)  # type: ignore[arg-type]
         jk = (ev.dataset, ev.job)
         cur = self._orders.get(jk)
         if cur is None and len(self._orders) >= self.max_jobs:

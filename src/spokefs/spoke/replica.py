@@ -40,6 +40,7 @@ from spokefs.integrity import DEFAULT_BLOCK_SIZE, blocks_in_range
 from spokefs.manifest import Manifest
 from spokefs.policy import BlockKey
 from spokefs.retry import backoff_delays
+from spokefs.spoke.routes import read_body
 from spokefs.tasks import Tasks
 from spokefs.wire.backend import BlockPart, DatasetInfo, ManifestMemo, ReadContext, Segment
 from spokefs.wire.client import UpstreamClient
@@ -148,7 +149,7 @@ class ReplicaBackend:
     async def forward(self, request: web.Request) -> web.Response:
         """Pass a request to the primary and its answer back."""
         headers = {h: request.headers[h] for h in _FORWARDED_HEADERS if h in request.headers}
-        body = await request.read()
+        body = bytes(await read_body(request))  # bounded, like the primary's own
         status, rh, data = await self._call(
             f"{request.method} {request.path}", self.primary.forward, request.method,
             request.path_qs, headers, body)

@@ -5,53 +5,223 @@ mounts).
 See docs/protocol.md ("Spoke control", "Reading the cache directly"). Paths in a request
 name files of one snapshot (``snapshot``, default latest, resolved once); an unknown path is
 a 400 naming it.
+
+Every value a body carries is checked before it is used (``Fields``): a wrong type or an
+out-of-range number is a 400 naming the field, a body or list past its bound a 413, never a
+TypeError deep inside (a 500) or work that grows with a number the client picked.
 """
 
 from __future__ import annotations
 
-import gzip
 import json
+import zlib
 from typing import Any
 
 from aiohttp import web
+from aiohttp.http_exceptions import HttpProcessingError
 
-from spokefs.errors import BadRequest
+from spokefs.errors import BadRequest, TooLarge
 from spokefs.manifest import Manifest
+from spokefs.planner.order import MAX_ORDER_ENTRIES, check_order
 from spokefs.spoke.service import SpokeBackend
 from spokefs.wire.backend import ReadContext
-from spokefs.wire.paths import check_dataset_name
+from spokefs.wire.paths import check_dataset_name, check_snapshot_id
 from spokefs.wire.server import check_version, parse_block_list
 
+MAX_BODY = 64 << 20         # bytes of a control request's JSON, after any inflating
+MAX_LISTED = MAX_ORDER_ENTRIES  # files a request may name by "paths" or "indexes"
+MAX_READS = 100_000         # reads in one "reads" body
+MAX_READ_BYTES = 1 << 40    # bytes the reads of one body (or a locate's read) may span
+MAX_KEEP = 1024             # snapshots a purge may keep
+MAX_TEXT = 4096             # characters of a string field (a path, a prefix, a snapshot)
+INT_MAX = (1 << 63) - 1     # every integer field fits an int64 (arrays, sqlite, metrics)
+_MEMBERS = 64               # gzip members concatenated in one body (a client sends one)
+_PIECE = 1 << 20            # bytes inflated per zlib call: no second copy of a large body
 
-async def _body(request: web.Request) -> dict[str, Any]:
-    raw = await request.read()  # aiohttp inflates a gzip'd body (orders compress ~10x)
-    if raw[:2] == b"\x1f\x8b":
+
+class PayloadTooLarge(TooLarge):
+    """A body, or a list in it, past its bound (HTTP 413)."""
+
+
+_KINDS: dict[type, str] = {dict: "an object", list: "a list", str: "a string", int: "an integer",
+                           float: "a number", bool: "a boolean", type(None): "null"}
+
+
+def _show(value: object) -> str:
+    """What a JSON value is, for a message: its kind, and a short form of a scalar."""
+    kind = _KINDS.get(type(value), type(value).__name__)
+    if isinstance(value, dict | list) or value is None:
+        return kind
+    text = repr(value)
+    return f"{kind} ({text if len(text) <= 40 else text[:37] + '...'})"
+
+
+class Fields:
+    """A request's JSON object, read field by field with the type and range each must have.
+
+    A value that is not of the exact JSON type (a boolean is no integer, a float no integer,
+    a number no string) or out of range is a BadRequest naming the field (``where`` prefixes
+    the name inside a nested object: ``read.start``, ``reads[3].size``). null is absent.
+    Unknown fields are ignored (a newer client may send more).
+    """
+
+    def __init__(self, doc: object, where: str = "") -> None:
+        if type(doc) is not dict:
+            label = f'"{where}"' if where else "the request body"
+            raise BadRequest(f"{label} must be a JSON object, not {_show(doc)}")
+        self.doc: dict[str, Any] = doc
+        self.where = where
+
+    def path(self, key: str) -> str:
+        return f"{self.where}.{key}" if self.where else key
+
+    def name(self, key: str) -> str:
+        """The field's name as a message shows it: ``"read.start"``."""
+        return f'"{self.path(key)}"'
+
+    def has(self, key: str) -> bool:
+        return self.doc.get(key) is not None
+
+    def raw(self, key: str) -> object:
+        """The value as sent, for a checker of its own (``check_order``)."""
+        return self.doc.get(key)
+
+    def integer(self, key: str, default: int = 0, hi: int = INT_MAX) -> int:
+        v = self.doc.get(key)
+        if v is None:
+            return default
+        if type(v) is not int or not 0 <= v <= hi:
+            raise BadRequest(f"{self.name(key)} must be an integer in [0, {hi}], not {_show(v)}")
+        return v
+
+    def flag(self, key: str) -> bool:
+        v = self.doc.get(key)
+        if v is None:
+            return False
+        if type(v) is not bool:
+            raise BadRequest(f"{self.name(key)} must be true or false, not {_show(v)}")
+        return v
+
+    def text(self, key: str, default: str = "", most: int = MAX_TEXT) -> str:
+        v = self.doc.get(key)
+        if v is None:
+            return default
+        if type(v) is not str or len(v) > most:
+            raise BadRequest(f"{self.name(key)} must be a string of at most {most} characters, "
+                             f"not {_show(v)}")
+        return v
+
+    def items(self, key: str, kind: type, what: str, most: int) -> list[Any] | None:
+        """A list whose every item has JSON type ``kind`` (``what`` names it), at most
+        ``most`` long; None when absent."""
+        v = self.doc.get(key)
+        if v is None:
+            return None
+        if type(v) is not list:
+            raise BadRequest(f"{self.name(key)} must be a list of {what}, not {_show(v)}")
+        if len(v) > most:
+            raise PayloadTooLarge(f"{self.name(key)} lists {len(v):,} items; at most {most:,}")
+        if not set(map(type, v)) <= {kind}:  # one pass in C; the loop below finds the culprit
+            i, bad = next((i, x) for i, x in enumerate(v) if type(x) is not kind)
+            raise BadRequest(f"{self.name(key)} must be a list of {what}; item {i} is "
+                             f"{_show(bad)}")
+        return v
+
+    def object(self, key: str) -> Fields | None:
+        v = self.doc.get(key)
+        return None if v is None else Fields(v, self.path(key))
+
+
+async def read_body(request: web.Request) -> bytearray:
+    """The body, at most MAX_BODY bytes (else PayloadTooLarge; BadRequest if it cannot be
+    read). aiohttp inflates a ``Content-Encoding`` body as it streams in, a bounded piece at
+    a time; reading it piece by piece here (not with ``request.read()``, bounded only by the
+    app's ``client_max_size``, which it raises aiohttp's buffers to) stops a gzip bomb at the
+    bound, whatever that setting is."""
+    if (request.content_length or 0) > MAX_BODY:
+        raise PayloadTooLarge(f"a request body is at most {MAX_BODY >> 20} MiB, not "
+                              f"{request.content_length:,} bytes")
+    body = bytearray()
+    try:
+        while chunk := await request.content.readany():
+            body += chunk
+            if len(body) > MAX_BODY:
+                raise PayloadTooLarge(f"a request body is at most {MAX_BODY >> 20} MiB "
+                                      "(after inflating)")
+    except (web.RequestPayloadError, HttpProcessingError) as exc:
+        # A Content-Encoding body that does not inflate (a broken transfer encoding too).
+        raise BadRequest(f"request body cannot be read: {' '.join(str(exc).split())}"
+                         ) from exc
+    return body
+
+
+def _inflate(raw: bytes | bytearray, wbits: int, limit: int = MAX_BODY) -> bytearray:
+    """A compressed body aiohttp left as it came (gzip'd JSON sent without
+    ``Content-Encoding``, or any when the server does not inflate bodies itself), inflated to
+    at most ``limit`` bytes: zlib's ``max_length`` hands out a piece at a time, so a bomb
+    costs ``limit`` bytes and the work to make them, not what it would expand to."""
+    out = bytearray()
+    data: bytes | bytearray = raw
+    for _ in range(_MEMBERS):
+        d = zlib.decompressobj(wbits=wbits)
         try:
-            raw = gzip.decompress(raw)
-        except (OSError, EOFError) as exc:
-            raise BadRequest(f"request body is not valid gzip: {exc}") from exc
-    if not raw:
-        return {}
+            while not d.eof:
+                piece = d.decompress(data, _PIECE)
+                data = d.unconsumed_tail
+                out += piece
+                if len(out) > limit:
+                    raise PayloadTooLarge(f"a request body is at most {limit >> 20} MiB "
+                                          "(after inflating)")
+                if not piece and not data:
+                    break  # no input left and no output held back: it ends early
+        except zlib.error as exc:
+            raise BadRequest(f"request body is not valid gzip or zlib data: {exc}") from exc
+        if not d.eof:
+            raise BadRequest("request body is not valid gzip or zlib data: it ends early")
+        data = d.unused_data
+        if not data:
+            return out
+    raise BadRequest(f"request body has more than {_MEMBERS} compressed members")
+
+
+def parse_json_body(raw: bytes | bytearray) -> Fields:
+    """A control request's body (JSON, gzip'd or zlib'd JSON) as ``Fields``; {} when empty.
+    The compressed forms are told by their first bytes, which JSON never starts with."""
+    if raw[:2] == b"\x1f\x8b":
+        raw = _inflate(raw, 31)  # 16 + 15: a gzip header and trailer
+    elif len(raw) >= 2 and raw[0] == 0x78 and (raw[0] << 8 | raw[1]) % 31 == 0:
+        raw = _inflate(raw, 15)  # a zlib header (Content-Encoding: deflate)
+    if not raw.strip():
+        return Fields({})
     try:
         doc = json.loads(raw)
-    except ValueError as exc:
+    except RecursionError as exc:  # nesting deeper than the parser's stack
+        raise BadRequest("request body is not JSON: nested too deeply") from exc
+    except ValueError as exc:  # also UnicodeDecodeError and too-long integers
         raise BadRequest(f"request body is not JSON: {exc}") from exc
-    if not isinstance(doc, dict):
-        raise BadRequest("request body must be a JSON object")
-    return doc
+    return Fields(doc)
 
 
-def _read_context(doc: object) -> tuple[ReadContext, tuple[int, int]]:
-    if not isinstance(doc, dict):
-        raise BadRequest('"read" must be an object')
-    start, end, size = doc.get("start"), doc.get("end"), doc.get("size")
-    if (type(start) is not int or type(end) is not int or not 0 <= start <= end
-            or (size is not None and type(size) is not int)):
-        raise BadRequest('a read needs integers 0 <= "start" <= "end"')
-    path = doc.get("path")
-    return ReadContext(str(path) if path is not None else None, size,
-                       str(doc.get("reader", ""))[:200], str(doc.get("job", ""))[:200]), (
-        start, end)
+async def _body(request: web.Request) -> Fields:
+    return parse_json_body(await read_body(request))
+
+
+def _read_context(read: Fields, limit: int = MAX_READ_BYTES
+                  ) -> tuple[ReadContext, tuple[int, int]]:
+    """``{"start", "end", "path"?, "size"?, "reader"?, "job"?}``: a read, for the planner.
+    The bytes it spans are bounded: the blocks it touches are counted and looked at one by
+    one."""
+    start, end = read.integer("start", -1), read.integer("end", -1)
+    if start < 0 or end < 0 or end < start:
+        raise BadRequest(f'a read needs integers 0 <= {read.name("start")} <= '
+                         f'{read.name("end")}')
+    if end - start > limit:
+        raise BadRequest(f"a read spans at most {limit:,} bytes, not {end - start:,}")
+    path = read.text("path") if read.has("path") else None
+    size = read.integer("size") if read.has("size") else None
+    # A reader's or job's name comes from a client's header: kept short, not refused.
+    reader, job = read.text("reader", most=MAX_BODY), read.text("job", most=MAX_BODY)
+    return ReadContext(path, size, reader[:200], job[:200]), (start, end)
 
 
 def _job(request: web.Request) -> str:
@@ -61,33 +231,47 @@ def _job(request: web.Request) -> str:
     return job
 
 
-def select_files(m: Manifest, doc: dict[str, Any]) -> list[int]:
+def select_files(m: Manifest, doc: Fields) -> list[int]:
     """Manifest indexes named by ``paths`` (list), ``indexes`` (list) or ``prefix`` (folder)."""
-    if "indexes" in doc:
-        idx = doc["indexes"]
-        if not isinstance(idx, list) or not all(isinstance(i, int) and 0 <= i < len(m)
-                                                for i in idx):
-            raise BadRequest(f"indexes must be integers in [0, {len(m)})")
+    n = len(m)
+    if doc.has("indexes"):
+        idx = doc.items("indexes", int, "manifest indexes (integers)", MAX_LISTED)
+        assert idx is not None
+        if idx and (min(idx) < 0 or max(idx) >= n):
+            bad = next(i for i in idx if not 0 <= i < n)
+            raise BadRequest(f'"indexes" must be integers in [0, {n}), not {bad}')
         return idx
-    if "paths" in doc:
+    if doc.has("paths"):
+        paths = doc.items("paths", str, "paths (strings)", MAX_LISTED)
+        assert paths is not None
         out, unknown = [], []
-        for p in doc["paths"]:
-            i = m.index(str(p).strip("/"))
+        for p in paths:
+            i = m.index(p.strip("/"))
             if i is None:
                 unknown.append(p)
             else:
                 out.append(i)
         if unknown:
             raise BadRequest(f"{len(unknown)} paths are not in {m.dataset}@{m.snapshot}, "
-                             f"e.g. {unknown[:3]}")
+                             f"e.g. {[p[:200] for p in unknown[:3]]}")
         return out
-    prefix = str(doc.get("prefix", "")).strip("/")
+    prefix = doc.text("prefix").strip("/")
     if prefix and not m.is_dir(prefix) and m.lookup(prefix) is None:
-        raise BadRequest(f"{prefix!r} is not a file or folder of {m.dataset}@{m.snapshot}")
+        raise BadRequest(f"{prefix[:200]!r} is not a file or folder of "
+                         f"{m.dataset}@{m.snapshot}")
     if m.lookup(prefix) is not None:
         return [m.index(prefix)]  # type: ignore[list-item]
     start = f"{prefix}/" if prefix else ""
     return [i for i, p in enumerate(m.paths) if p.startswith(start)]
+
+
+def parse_order(m: Manifest, doc: Fields) -> tuple[int, list[int], list[tuple[int, int]] | None]:
+    """An order body as the planner takes it: (epoch, manifest indexes, ranges clipped to
+    their files or None), every entry checked (``check_order``) before anything is built."""
+    epoch = doc.integer("epoch")
+    files = select_files(m, doc)
+    ranges = check_order(m.sizes, m.block_size, files, doc.raw("ranges"))
+    return epoch, files, ranges
 
 
 class SpokeRoutes:
@@ -107,33 +291,30 @@ class SpokeRoutes:
             web.post("/v1/workers/counts", self.counts),
         ]
 
-    async def _manifest(self, ds: str, doc: dict[str, Any]) -> Manifest:
-        snap = await self.backend.resolve(ds, str(doc.get("snapshot") or "latest"))
-        return await self.backend.manifest(ds, snap)
+    async def _manifest(self, ds: str, doc: Fields) -> Manifest:
+        snap = check_snapshot_id(doc.text("snapshot") or "latest")
+        return await self.backend.manifest(ds, await self.backend.resolve(ds, snap))
 
     async def order(self, request: web.Request) -> web.Response:
         ds, job = check_dataset_name(request.match_info["ds"]), _job(request)
         doc = await _body(request)
-        m = await self._manifest(ds, doc)
-        files = select_files(m, doc)
-        ranges = doc.get("ranges")
-        if ranges is not None and len(ranges) != len(files):
-            raise BadRequest("ranges must have one [offset, length] per file")
         if self.backend.prefetch is None:
             raise BadRequest("this spoke runs without prefetch (--no-prefetch)")
+        m = await self._manifest(ds, doc)
+        # Checked whole before the planner sees it: a bad entry leaves no order behind.
+        epoch, files, ranges = parse_order(m, doc)
         self.backend.prefetch.use_manifest(m)
-        self.backend.prefetch.announce(ds, job, int(doc.get("epoch", 0)), files,
-                                       [tuple(r) for r in ranges] if ranges else None)
+        self.backend.prefetch.announce(ds, job, epoch, files, ranges)
         return web.json_response({"dataset": ds, "snapshot": m.snapshot, "job": job,
                                   "files": len(files),
                                   "bytes": sum(m.sizes[i] for i in files)})
 
     async def epoch(self, request: web.Request) -> web.Response:
         ds, job = check_dataset_name(request.match_info["ds"]), _job(request)
-        doc = await _body(request)
+        epoch = (await _body(request)).integer("epoch")
         if self.backend.prefetch is not None:
-            self.backend.prefetch.epoch(ds, job, int(doc.get("epoch", 0)))
-        return web.json_response({"dataset": ds, "job": job, "epoch": doc.get("epoch", 0)})
+            self.backend.prefetch.epoch(ds, job, epoch)
+        return web.json_response({"dataset": ds, "job": job, "epoch": epoch})
 
     async def end_job(self, request: web.Request) -> web.Response:
         ds, job = check_dataset_name(request.match_info["ds"]), _job(request)
@@ -144,9 +325,10 @@ class SpokeRoutes:
     async def warm(self, request: web.Request) -> web.Response:
         ds = check_dataset_name(request.match_info["ds"])
         doc = await _body(request)
+        pin = doc.flag("pin")
         m = await self._manifest(ds, doc)
         files = select_files(m, doc)
-        plan = self.backend.warm(m, files, pin=bool(doc.get("pin", False)))
+        plan = self.backend.warm(m, files, pin=pin)
         return web.json_response({"dataset": ds, "snapshot": m.snapshot, **plan}, status=202)
 
     async def residency(self, request: web.Request) -> web.Response:
@@ -164,16 +346,19 @@ class SpokeRoutes:
         (spokefs.cache.shared), and with ``since`` the blocks that became resident since."""
         ds = check_dataset_name(request.match_info["ds"])
         doc = await _body(request)
-        keys = parse_block_list(doc)
-        read = doc.get("read")
+        keys = parse_block_list(doc.doc)
+        if any(i > INT_MAX for _, i in keys):
+            raise BadRequest(f'a block index in "blocks" is at most {INT_MAX}')
+        fetch, damaged, since = doc.flag("fetch"), doc.flag("damaged"), self._since(doc)
+        read = doc.object("read")
         ctx = span = None
         if read is not None:
             ctx, span = _read_context(read)
-        if doc.get("damaged"):  # a reader found these bytes wrong: check, drop if so
+        if damaged:  # a reader found these bytes wrong: check, drop if so
             self.backend.recheck(keys)
-        blocks = await self.backend.locate(ds, keys, bool(doc.get("fetch", False)), ctx, span)
+        blocks = await self.backend.locate(ds, keys, fetch, ctx, span)
         return web.json_response({"cache": self.backend.cache_info(), "blocks": blocks,
-                                  **self._news(ds, doc)})
+                                  **self._news(ds, since)})
 
     async def reads(self, request: web.Request) -> web.Response:
         """``{"reads": [[version, start, end, {context}], ...], "by"?: "mount", "bytes"?:
@@ -181,39 +366,41 @@ class SpokeRoutes:
         order, and the counts; ``bytes``: more bytes read so, of reads already told of)."""
         ds = check_dataset_name(request.match_info["ds"])
         doc = await _body(request)
-        raw = doc.get("reads")
-        if not isinstance(raw, list) or len(raw) > 100_000:
+        raw = doc.items("reads", list, "[version, start, end, {context}]", MAX_READS)
+        if raw is None:
             raise BadRequest('"reads" must be a list of [version, start, end, {context}]')
+        extra, by, since = doc.integer("bytes"), doc.text("by"), self._since(doc)
         reads = []
-        for r in raw:
-            if (not isinstance(r, list) or len(r) != 4 or not isinstance(r[0], str)
-                    or not check_version(r[0])):
-                raise BadRequest(f"bad read {str(r)[:100]}")
-            ctx, (start, end) = _read_context({**(r[3] or {}), "start": r[1], "end": r[2]})
+        left = MAX_READ_BYTES  # for the whole body: each block read is touched one by one
+        for n, r in enumerate(raw):
+            if len(r) != 4 or type(r[0]) is not str or not check_version(r[0]):
+                raise BadRequest(f'"reads[{n}]" must be [version id, start, end, {{context}}], '
+                                 f"not {str(r)[:100]}")
+            where = f"reads[{n}]"
+            context = Fields({} if r[3] is None else r[3], where).doc
+            ctx, (start, end) = _read_context(Fields({**context, "start": r[1], "end": r[2]},
+                                                     where), left)
+            left -= end - start
             reads.append((r[0], start, end, ctx))
-        extra = doc.get("bytes", 0)
-        if type(extra) is not int or extra < 0:
-            raise BadRequest('"bytes" must be an integer >= 0')
-        self.backend.reads_elsewhere(ds, reads, by_mount=doc.get("by") == "mount",
-                                     extra_bytes=extra)
-        return web.json_response({"reads": len(reads), **self._news(ds, doc)})
+        self.backend.reads_elsewhere(ds, reads, by_mount=by == "mount", extra_bytes=extra)
+        return web.json_response({"reads": len(reads), **self._news(ds, since)})
 
-    def _news(self, ds: str, doc: dict[str, Any]) -> dict[str, object]:
+    @staticmethod
+    def _since(doc: Fields) -> int | None:
         """``"since": cursor`` in a locate or reads body asks for the blocks that became
         resident since (spokefs.cache.feed); the answer carries them as ``"news"``."""
-        since = doc.get("since")
-        if since is None:
-            return {}
-        if type(since) is not int or since < 0:
-            raise BadRequest('"since" must be an integer >= 0 (a cursor from "news")')
-        return {"news": self.backend.news(ds, since)}
+        return doc.integer("since") if doc.has("since") else None
+
+    def _news(self, ds: str, since: int | None) -> dict[str, object]:
+        return {} if since is None else {"news": self.backend.news(ds, since)}
 
     async def counts(self, request: web.Request) -> web.Response:
         """What a replica worker counted (hits, misses, served bytes, damaged blocks)."""
         doc = await _body(request)
-        if not all(isinstance(v, int) for v in doc.values()):
-            raise BadRequest("counts must be integers")
-        self.backend.add_counts(doc)
+        if len(doc.doc) > 64:
+            raise BadRequest(f"counts name at most 64 counters, not {len(doc.doc)}")
+        counts = {k: doc.integer(k) for k in doc.doc}
+        self.backend.add_counts(counts)
         return web.json_response({})
 
     async def purge(self, request: web.Request) -> web.Response:
@@ -221,12 +408,11 @@ class SpokeRoutes:
         ["latest", SNAPSHOT...]}``: the dataset's blocks of versions in none of those
         snapshots (stale after a source change)."""
         doc = await _body(request)
-        ds = doc.get("dataset")
-        if ds is not None:
-            check_dataset_name(ds)
-        keep = doc.get("keep")
-        if keep is not None and (not isinstance(keep, list) or not keep
-                                 or not all(isinstance(k, str) for k in keep)):
-            raise BadRequest('"keep" must be a non-empty list of snapshot ids or "latest"')
+        ds = check_dataset_name(doc.raw("dataset")) if doc.has("dataset") else None
+        keep = doc.items("keep", str, 'snapshot ids or "latest"', MAX_KEEP)
+        if keep is not None:
+            if not keep:
+                raise BadRequest('"keep" must be a non-empty list of snapshot ids or "latest"')
+            keep = [check_snapshot_id(k) for k in keep]
         freed = await self.backend.purge(ds, keep)
         return web.json_response({"dataset": ds, "freed_bytes": freed})

@@ -11,22 +11,36 @@ import re
 
 from spokefs.errors import BadRequest
 
-_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
+# fullmatch, not match with "$": "$" also matches before a trailing newline ("ds\n").
+_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
 
 
-def check_dataset_name(name: str) -> str:
-    if not _NAME.match(name):
-        raise BadRequest(f"invalid dataset name {name!r}: use letters, digits, '.', '_', '-'")
+def _show(value: object) -> str:
+    text = repr(value)
+    return text if len(text) <= 80 else f"{text[:77]}..."
+
+
+def check_dataset_name(name: object) -> str:
+    """``name`` if it is a dataset name (a string from a request body may be anything)."""
+    if not isinstance(name, str) or not _NAME.fullmatch(name):
+        raise BadRequest(f"invalid dataset name {_show(name)}: use letters, digits, '.', '_', "
+                         "'-' (at most 128)")
     return name
+
+
+def check_snapshot_id(snap: object) -> str:
+    """``snap`` if it is a snapshot id or "latest" (it names a file in a spoke's cache
+    folder, so nothing else: no "/" or "..")."""
+    if not isinstance(snap, str) or not _NAME.fullmatch(snap):
+        raise BadRequest(f"invalid snapshot id {_show(snap)}")
+    return snap
 
 
 def split_dataset_ref(ref: str) -> tuple[str, str]:
     """ "imagenet@3fa9c1" -> ("imagenet", "3fa9c1"); "imagenet" -> ("imagenet", "latest")."""
     name, _, snap = ref.partition("@")
     check_dataset_name(name)
-    if snap and not _NAME.match(snap):
-        raise BadRequest(f"invalid snapshot id {snap!r}")
-    return name, snap or "latest"
+    return name, check_snapshot_id(snap) if snap else "latest"
 
 
 def clean_path(path: str) -> str:

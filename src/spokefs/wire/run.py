@@ -89,8 +89,10 @@ async def serve_forever(app: web.Application, host: str, port: int, role: str,
     several sharing one port), and also on ``unix_path`` if given, until SIGINT/SIGTERM."""
     tune_for_serving()
     # Large backlog and no access log: the hot path is small range requests.
+    # auto_decompress off: bodies are inflated by the routes, with a bound (a refused gzip
+    # bomb would otherwise go on inflating in aiohttp after the 413).
     runner = _Runner(app, access_log=None, handle_signals=False,
-                     keepalive_timeout=IDLE_TIMEOUT)
+                     keepalive_timeout=IDLE_TIMEOUT, auto_decompress=False)
     await runner.setup()
     site: web.BaseSite
     if sock is not None:

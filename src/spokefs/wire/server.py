@@ -225,7 +225,8 @@ def parse_block_list(doc: object) -> list[tuple[str, int]]:
     out = []
     for b in blocks:
         if (not isinstance(b, list) or len(b) != 2 or not isinstance(b[0], str)
-                or not check_version(b[0]) or type(b[1]) is not int or b[1] < 0):
+                or not check_version(b[0]) or type(b[1]) is not int
+                or not 0 <= b[1] < 1 << 63):
             raise BadRequest(f"bad block {str(b)[:100]}: expected [version id, index >= 0]")
         out.append((b[0], b[1]))
     return out
