@@ -304,6 +304,12 @@ def test_warm_pins_are_bounded_and_lapse(hub_server, dataset: Path, tmp_path: Pa
         small = sum(p.stat().st_size for p in (dataset / "class0").iterdir())
         assert warm(s.url, {"prefix": "class0/", "pin": True}).status == 202
         assert pinned(s.url) == small
+        r = http.request("POST", f"{s.url}/v1/datasets/ds/unpin",
+                         body=json.dumps({"prefix": "class0/"}),
+                         headers={"Content-Type": "application/json"})
+        assert r.status == 200 and pinned(s.url) == 0  # released on request
+        assert warm(s.url, {"prefix": "class0/", "pin": True}).status == 202
+        assert pinned(s.url) == small
         end = time.monotonic() + 20  # the pins lapse after --pin-ttl (checked every 5 s)
         while pinned(s.url) and time.monotonic() < end:
             time.sleep(0.2)

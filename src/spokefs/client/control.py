@@ -63,6 +63,12 @@ class SpokeControl:
     def end(self) -> None:
         self.client.request("DELETE", f"/v1/datasets/{self.dataset}/jobs/{self.job}")
 
+    def unpin(self, paths: Sequence[str] | None = None, prefix: str | None = None
+              ) -> dict[str, Any]:
+        """Release what a pinned warm-up pinned of these files (they stay cached)."""
+        return self._post(f"/v1/datasets/{self.dataset}/unpin",
+                          self._select(paths, None, prefix))
+
     def residency(self, paths: Sequence[str] | None = None, prefix: str | None = None
                   ) -> dict[str, Any]:
         return self._post(f"/v1/datasets/{self.dataset}/residency",

@@ -57,12 +57,14 @@ PROXIED = [              # the primary's own routes: a replica forwards them as 
     ("POST", "/v1/datasets/{ds}/jobs/{job}/epoch"),
     ("DELETE", "/v1/datasets/{ds}/jobs/{job}"),
     ("POST", "/v1/datasets/{ds}/warm"),
+    ("POST", "/v1/datasets/{ds}/unpin"),
     ("POST", "/v1/datasets/{ds}/residency"),
     ("POST", "/v1/purge"),
     ("POST", "/v1/datasets/{ds}/locate"),
     ("POST", "/v1/datasets/{ds}/reads"),
 ]
-# Not Content-Encoding: aiohttp has already inflated a gzip'd body when a replica reads it.
+# Not Content-Encoding: the body goes as it came, and the primary knows a compressed one by
+# its first bytes (spoke.routes).
 _FORWARDED_HEADERS = ("Content-Type", "Range", H_READER, H_JOB)
 
 

@@ -284,6 +284,7 @@ class SpokeRoutes:
             web.post("/v1/datasets/{ds}/jobs/{job}/epoch", self.epoch),
             web.delete("/v1/datasets/{ds}/jobs/{job}", self.end_job),
             web.post("/v1/datasets/{ds}/warm", self.warm),
+            web.post("/v1/datasets/{ds}/unpin", self.unpin),
             web.post("/v1/datasets/{ds}/residency", self.residency),
             web.post("/v1/purge", self.purge),
             web.post("/v1/datasets/{ds}/locate", self.locate),
@@ -330,6 +331,15 @@ class SpokeRoutes:
         files = select_files(m, doc)
         plan = self.backend.warm(m, files, pin=pin)
         return web.json_response({"dataset": ds, "snapshot": m.snapshot, **plan}, status=202)
+
+    async def unpin(self, request: web.Request) -> web.Response:
+        """Release warm-up pins of the selected files (same selection as ``warm``)."""
+        ds = check_dataset_name(request.match_info["ds"])
+        doc = await _body(request)
+        m = await self._manifest(ds, doc)
+        files = select_files(m, doc)
+        return web.json_response({"dataset": ds, "snapshot": m.snapshot,
+                                  **self.backend.unpin_warm(m, files)})
 
     async def residency(self, request: web.Request) -> web.Response:
         ds = check_dataset_name(request.match_info["ds"])
