@@ -347,7 +347,7 @@ class SpokeRoutes:
         m = await self._manifest(ds, doc)
         files = select_files(m, doc)
         return web.json_response({"dataset": ds, "snapshot": m.snapshot,
-                                  **self.backend.residency(m, files)})
+                                  **await self.backend.residency(m, files)})
 
     async def locate(self, request: web.Request) -> web.Response:
         """``{"blocks": [[version, index], ...], "fetch"?: bool, "damaged"?: bool, "read"?:
