@@ -347,17 +347,21 @@ class SpokeBackend:
         """The bytes of [start, end), block by block, each checked against its digests."""
         bs = (await self.dataset(name)).block_size
         indexes = blocks_in_range(start, end, bs)
-        if self.prefetch is not None:
-            self._tell_planner(name, version, start, end, ctx or ReadContext())
         store, fetcher, metrics = self.store, self.fetcher, self.metrics
         # Missing blocks are asked for a window ahead of the one being sent (all at once for
         # a range within the window); a sent block's future is dropped at once, so neither
-        # memory nor the link follows a reader that stalls or leaves.
-        ahead = max(2, self.config.read_window // bs)
+        # memory nor the link follows a reader that stalls or leaves. The planner hears the
+        # read block by block as it is sent: told the whole range at once, its readahead
+        # would fetch all of it for a reader that may take a megabyte and leave.
+        window = max(2, self.config.read_window // bs)
         pending: dict[int, asyncio.Future[Block]] = {}
         asked = indexes.start
+        tell = self.prefetch is not None
         for i in indexes:
-            while asked < min(i + ahead, indexes.stop):
+            if tell:
+                self._tell_planner(name, version, max(start, i * bs), min(end, (i + 1) * bs),
+                                   ctx or ReadContext())
+            while asked < min(i + window, indexes.stop):
                 if (version, asked) not in store and fetcher.recent((version, asked)) is None:
                     pending[asked] = fetcher.want(name, (version, asked), DEMAND)
                 asked += 1
