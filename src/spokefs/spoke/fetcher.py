@@ -87,7 +87,7 @@ class Arenas:
     thread is used (anonymous memory, faulted in by reading /dev/zero into it: in the kernel,
     without the GIL), and another spare is made."""
 
-    def __init__(self, keep_bytes: int = 512 << 20, tries: int = 8) -> None:
+    def __init__(self, keep_bytes: int = 192 << 20, tries: int = 8) -> None:
         self.keep_bytes = keep_bytes
         self.kept = 0
         self.tries = tries
