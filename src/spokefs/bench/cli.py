@@ -18,6 +18,7 @@ BENCH_MODULES = [
     "spokefs.bench.policy",
     "spokefs.bench.race",
     "spokefs.bench.chaos",
+    "spokefs.bench.abuse",
 ]
 
 

@@ -1,0 +1,336 @@
+"""``spokefs bench abuse``: ordinary readers beside hostile and careless clients.
+
+A hub and a spoke on 127.0.0.1. Ordinary readers read small files (already cached) for a
+while alone (``idle``), then again while, at the same time (``loaded``):
+
+- hundreds of slow clients send request headers a byte at a time and never finish;
+- one reader asks for a multi-GiB file and takes 1 MiB/s of it, then goes away;
+- a stream of malformed requests: bad ranges, path escapes, wrong JSON types, a gzip bomb,
+  an order with absurd ranges, raw garbage.
+
+Reported: the spoke's and the hub's peak memory (RSS of every process of each), the ordinary
+readers' p99 loaded against idle, the bytes of the abandoned file that crossed to the spoke
+after its reader left, and every 5xx anyone got. Writes DIR/results.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import gzip
+import json
+import os
+import random
+import shutil
+import socket
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+from spokefs.bench.common import machine, percentile, table, write_json
+from spokefs.bench.procs import Service, hub_args, spoke_args
+from spokefs.units import parse_size
+
+GOALS = {
+    "spoke_peak_rss_mib <= 512": ("spoke_peak_rss_mib", 512.0),
+    "ordinary_p99_ratio <= 2": ("ordinary_p99_ratio", 2.0),
+    "abandoned_link_bytes <= 64 MiB": ("abandoned_link_bytes", float(64 << 20)),
+    "server_errors == 0": ("server_errors", 0.0),
+}
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("abuse", help="ordinary readers beside slow, abandoned and bad clients",
+                       description=__doc__.split("\n\n")[1] if __doc__ else None)
+    p.add_argument("--out", required=True, type=Path, help="results folder")
+    p.add_argument("--work-dir", type=Path, help="dataset and cache (default OUT/work)")
+    p.add_argument("--slow-clients", type=int, default=500, help="default 500")
+    p.add_argument("--large-size", type=parse_size, default=2 << 30,
+                   help="the file the abandoned reader asks for (default 2GiB)")
+    p.add_argument("--seconds", type=float, default=20.0,
+                   help="length of the idle and of the loaded phase (default 20)")
+    p.add_argument("--readers", type=int, default=4, help="ordinary reader threads (4)")
+    p.set_defaults(func=run)
+
+
+# -- the pieces ------------------------------------------------------------------------------
+def _tree_rss_mib(pid: int) -> float:
+    """RSS of a process and its children (a spoke's workers), MiB."""
+    total, todo = 0, [pid]
+    children: dict[int, list[int]] = {}
+    for d in os.listdir("/proc"):
+        if d.isdigit():
+            try:
+                ppid = int(Path(f"/proc/{d}/stat").read_text().rsplit(")", 1)[1].split()[1])
+            except (OSError, IndexError, ValueError):
+                continue
+            children.setdefault(ppid, []).append(int(d))
+    while todo:
+        p = todo.pop()
+        try:
+            for line in Path(f"/proc/{p}/status").read_text().splitlines():
+                if line.startswith("VmRSS:"):
+                    total += int(line.split()[1])
+        except OSError:
+            pass
+        todo.extend(children.get(p, []))
+    return total / 1024
+
+
+def _metric(base: str, name: str) -> float:
+    import urllib3
+
+    text = urllib3.request("GET", f"{base}/metrics").data.decode()
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+               if line.startswith(name) and not line.startswith("#"))
+
+
+class Errors:
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.server = 0
+        self.samples: list[str] = []
+
+    def saw(self, status: int, what: str) -> None:
+        if status >= 500:
+            with self.lock:
+                self.server += 1
+                if len(self.samples) < 10:
+                    self.samples.append(f"{status} {what}")
+
+
+def _ordinary(base: str, names: list[str], readers: int, seconds: float, errors: Errors
+              ) -> list[float]:
+    import urllib3
+
+    http = urllib3.PoolManager(maxsize=readers, retries=False)
+    lat: list[float] = []
+    lock = threading.Lock()
+    end = time.monotonic() + seconds
+
+    def reader(seed: int) -> None:
+        rng = random.Random(seed)
+        mine = []
+        while time.monotonic() < end:
+            name = rng.choice(names)
+            t0 = time.perf_counter()
+            r = http.request("GET", f"{base}/ds/{name}", headers={"X-Spokefs-Job": "ordinary"})
+            mine.append(time.perf_counter() - t0)
+            errors.saw(r.status, f"GET {name}")
+        with lock:
+            lat.extend(mine)
+
+    threads = [threading.Thread(target=reader, args=(i,)) for i in range(readers)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return lat
+
+
+async def _slow_clients(host: str, port: int, n: int, stop: asyncio.Event) -> dict[str, int]:
+    """Clients that send headers a byte a second and never finish; how many the server
+    closed on them before the end."""
+    closed = 0
+
+    async def one() -> None:
+        nonlocal closed
+        try:
+            reader, writer = await asyncio.open_connection(host, port)
+        except OSError:
+            return
+        try:
+            header = b"GET /ds/small/f00000 HTTP/1.1\r\nHost: x\r\nX-Slow: " + b"a" * 10_000
+            for byte in header:
+                if stop.is_set():
+                    return
+                writer.write(bytes([byte]))
+                await writer.drain()
+                try:  # the server closing shows as EOF (or a reset on the next write)
+                    if await asyncio.wait_for(reader.read(1), 1.0) == b"":
+                        closed += 1
+                        return
+                except TimeoutError:
+                    pass
+        except (ConnectionError, OSError):
+            closed += 1
+        finally:
+            writer.close()
+
+    await asyncio.gather(*(one() for _ in range(n)))
+    return {"slow_clients": n, "closed_by_server": closed}
+
+
+async def _abandoned(host: str, port: int, path: str, seconds: float) -> dict[str, float]:
+    """Ask for the whole large file, take 1 MiB/s for ``seconds``, then leave."""
+    reader, writer = await asyncio.open_connection(host, port, limit=1 << 16)
+    # A job of its own, so what prediction learns from the ordinary readers stays theirs.
+    writer.write(f"GET /ds/{path} HTTP/1.1\r\nHost: x\r\nX-Spokefs-Job: abandoned\r\n\r\n"
+                 .encode())
+    await writer.drain()
+    taken, t0 = 0, time.monotonic()
+    while time.monotonic() - t0 < seconds:
+        data = await reader.read(64 << 10)
+        if not data:
+            break
+        taken += len(data)
+        ahead = taken / (1 << 20) - (time.monotonic() - t0)  # seconds ahead of 1 MiB/s
+        if ahead > 0:
+            await asyncio.sleep(ahead)
+    writer.close()
+    return {"taken_bytes": taken, "left_at": time.monotonic()}
+
+
+def _bad_requests(base: str, names: list[str]) -> list[tuple[str, str, bytes, dict[str, str]]]:
+    """(method, path, body, headers) of malformed or hostile requests."""
+    bomb = gzip.compress(b"\0" * (256 << 20), compresslevel=9)  # 256 MiB of zeros
+    order = {"epoch": 0, "files": names[:3], "ranges": [[0, 10**15], [-5, 3], ["x", 1]]}
+    j = {"Content-Type": "application/json"}
+    return [
+        ("GET", f"/ds/{names[0]}", b"", {"Range": "bytes=" + "9" * 5000 + "-"}),
+        ("GET", f"/ds/{names[0]}", b"", {"Range": "bytes=\u00b2-3"}),
+        ("GET", "/ds/../../etc/passwd", b"", {}),
+        ("GET", "/ds/%2e%2e/%2e%2e/etc/passwd", b"", {}),
+        ("GET", "/v1/datasets/ds/objects/..%2f..%2fx", b"", {}),
+        ("POST", "/v1/datasets/ds/warm", b'{"paths": 5}', j),
+        ("POST", "/v1/datasets/ds/residency", b'{"prefix": ["a"]}', j),
+        ("POST", "/v1/datasets/ds/locate", b'{"blocks": [["v", "x"]]}', j),
+        ("POST", "/v1/datasets/ds/reads", b'{"reads": [[1, 2, 3, 4]]}', j),
+        ("POST", "/v1/datasets/ds/jobs/j/order", json.dumps(order).encode(), j),
+        ("POST", "/v1/datasets/ds/jobs/j/order", bomb, {**j, "Content-Encoding": "gzip"}),
+        ("POST", "/v1/datasets/ds/warm", bomb, j),
+        ("POST", "/v1/datasets/ds/warm", b"\x1f\x8b garbage", j),
+        ("GET", "/v1/datasets/" + "x" * 5000, b"", {}),
+    ]
+
+
+def _malformed(base: str, names: list[str], seconds: float, errors: Errors) -> int:
+    import urllib3
+
+    http = urllib3.PoolManager(retries=False, timeout=30)
+    host, port = base.removeprefix("http://").split(":")
+    reqs = _bad_requests(base, names)
+    sent, end = 0, time.monotonic() + seconds
+    while time.monotonic() < end:
+        for method, path, body, headers in reqs:
+            try:
+                r = http.request(method, base + path, body=body or None, headers=headers)
+                errors.saw(r.status, f"{method} {path[:60]}")
+            except urllib3.exceptions.HTTPError:
+                pass  # the server hung up on it: not a 5xx
+            sent += 1
+        with socket.create_connection((host, int(port)), timeout=5) as s:  # raw garbage
+            s.sendall(os.urandom(2048) + b"\r\n\r\n")
+            answer = s.recv(64)
+            if answer[:9] == b"HTTP/1.1 " and answer[9:10] == b"5":
+                errors.saw(int(answer[9:12]), "raw garbage")
+        sent += 1
+    return sent
+
+
+# -- the run ---------------------------------------------------------------------------------
+def run(args: argparse.Namespace) -> int:
+    from spokefs.client.control import SpokeControl
+
+    out: Path = args.out
+    work: Path = args.work_dir or out / "work"
+    data = work / "ds"
+    small = data / "small"
+    small.mkdir(parents=True, exist_ok=True)
+    names = []
+    rng = random.Random(1)
+    for i in range(2000):
+        p = small / f"f{i:05d}"
+        if not p.exists() or p.stat().st_size != 64 << 10:
+            p.write_bytes(rng.randbytes(64 << 10))
+        names.append(f"small/{p.name}")
+    large = data / "large.bin"
+    if not large.exists() or large.stat().st_size != args.large_size:
+        with open(large, "wb") as f:
+            chunk = os.urandom(8 << 20)
+            for _ in range(args.large_size // len(chunk)):
+                f.write(chunk)
+            f.write(chunk[:args.large_size % len(chunk)])
+    shutil.rmtree(work / "cache", ignore_errors=True)  # a cold cache: the large file is fetched
+    load_before = os.getloadavg()
+    errors = Errors()
+    rss = {"spoke": 0.0, "hub": 0.0}
+    with Service(hub_args(data, work / "hubstate")) as hub, \
+            Service(spoke_args(hub.url, work / "cache", "8GiB"),
+                    env={"SPOKEFS_IDLE_TIMEOUT": "10"}) as spoke:
+        assert hub.proc is not None and spoke.proc is not None
+        SpokeControl(f"{spoke.url}/ds").warm(prefix="small/", wait=True, progress=False)
+        idle = _ordinary(spoke.url, names, args.readers, args.seconds, errors)
+        print(f"idle: {len(idle)} reads, p99 {percentile(idle, 99) * 1e3:.2f} ms", flush=True)
+
+        upstream_before = _metric(spoke.url, "spokefs_upstream_bytes_total")
+        stop = threading.Event()
+
+        def sample() -> None:
+            while not stop.is_set():
+                rss["spoke"] = max(rss["spoke"], _tree_rss_mib(spoke.proc.pid))  # type: ignore
+                rss["hub"] = max(rss["hub"], _tree_rss_mib(hub.proc.pid))  # type: ignore
+                time.sleep(0.2)
+
+        host, port = spoke.url.removeprefix("http://").split(":")
+        side: dict[str, Any] = {}
+
+        def hostile() -> None:
+            async def main() -> None:
+                stop_slow = asyncio.Event()
+                slow = asyncio.create_task(
+                    _slow_clients(host, int(port), args.slow_clients, stop_slow))
+                side["abandoned"] = await _abandoned(host, int(port), "large.bin",
+                                                     args.seconds / 2)
+                side["upstream_at_leave"] = _metric(spoke.url, "spokefs_upstream_bytes_total")
+                await asyncio.sleep(args.seconds / 2)
+                stop_slow.set()
+                side["slow"] = await slow
+
+            asyncio.run(main())
+
+        threads = [threading.Thread(target=sample), threading.Thread(target=hostile),
+                   threading.Thread(target=lambda: side.__setitem__(
+                       "malformed", _malformed(spoke.url, names, args.seconds, errors)))]
+        for t in threads:
+            t.start()
+        loaded = _ordinary(spoke.url, names, args.readers, args.seconds, errors)
+        for t in threads[1:]:
+            t.join()
+        end = time.monotonic() + 30  # what was asked before the reader left, arriving
+        while _metric(spoke.url, "spokefs_upstream_inflight") and time.monotonic() < end:
+            time.sleep(0.1)
+        stop.set()
+        threads[0].join()
+        after = _metric(spoke.url, "spokefs_upstream_bytes_total")
+    abandoned_bytes = after - side.get("upstream_at_leave", after)
+    p99_idle, p99_loaded = percentile(idle, 99), percentile(loaded, 99)
+    results = {
+        "spoke_peak_rss_mib": round(rss["spoke"], 1), "hub_peak_rss_mib": round(rss["hub"], 1),
+        "ordinary_p99_idle_ms": round(p99_idle * 1e3, 3),
+        "ordinary_p99_loaded_ms": round(p99_loaded * 1e3, 3),
+        "ordinary_p99_ratio": round(p99_loaded / p99_idle, 2) if p99_idle else None,
+        "ordinary_reads": {"idle": len(idle), "loaded": len(loaded)},
+        "abandoned_link_bytes": int(abandoned_bytes),
+        # The small files were cached first: all of this is the abandoned file's.
+        "abandoned_file_link_bytes_total": int(after - upstream_before),
+        "abandoned_taken_bytes": side.get("abandoned", {}).get("taken_bytes"),
+        "server_errors": errors.server, "server_error_samples": errors.samples,
+        "malformed_requests": side.get("malformed"), "slow": side.get("slow"),
+    }
+    goals = [{"goal": g, "value": results[k], "met": results[k] is not None
+              and results[k] <= limit} for g, (k, limit) in GOALS.items()]
+    doc = {"benchmark": "abuse", "machine": machine(),
+           "load_average_before": [round(x, 2) for x in load_before],
+           "load_average_after": [round(x, 2) for x in os.getloadavg()],
+           "params": {"slow_clients": args.slow_clients, "large_size": args.large_size,
+                      "seconds": args.seconds, "readers": args.readers},
+           "results": results, "goals": goals}
+    path = write_json(out, doc)
+    print(table([[k, v] for k, v in results.items() if not isinstance(v, (list, dict))],
+                ["figure", "value"]))
+    for g in goals:
+        print(f"{'MET ' if g['met'] else 'MISS'} {g['goal']}: {g['value']}")
+    print(f"wrote {path}")
+    return 0
