@@ -566,3 +566,23 @@ def test_a_bad_manifest_from_upstream_is_never_kept(tmp_path: Path) -> None:
     with pytest.raises(ManifestError):
         store_manifest(path, blob, snap, "other-dataset")
     assert not path.exists()
+
+
+def test_saved_working_sets_are_capped_oldest_forgotten(tmp_path: Path, monkeypatch) -> None:
+    import spokefs.planner as pl
+    from spokefs.spoke import prefetch
+    from spokefs.spoke.prefetch import PrefetchDriver
+
+    monkeypatch.setattr(prefetch, "MAX_SAVED_WORKING_SETS", 3)
+    h = Harness(tmp_path / "c")
+    driver = PrefetchDriver(pl.Planner(capacity=1 << 30), h.store, lambda *a: None,
+                            lambda k: False, lambda ds: None)  # type: ignore[arg-type,return-value]
+    for j in range(5):  # five jobs (names a client chose) finish an epoch each
+        ws = pl.WorkingSet("ds", f"job{j}", "", [("a", "b")], files=1, bytes=1, epochs=1)
+        driver.act([pl.WorkingSetLearned("ds", f"job{j}", ws)], "ds")
+    kept = [k for k, _ in h.store.kv_items("workingset:")]
+    assert kept == ["workingset:ds:job2", "workingset:ds:job3", "workingset:ds:job4"]
+    h.close()
+    h = Harness(tmp_path / "c")  # and on disk: a restart sees the same three
+    assert [k for k, _ in h.store.kv_items("workingset:")] == kept
+    h.close()

@@ -58,6 +58,7 @@ from spokefs.cache.durable import manifest_file
 from spokefs.cache.segments import Segment, SegmentFiles, aligned, check_hole_punching
 from spokefs.cache.worker import (
     DELETE_BLOCK,
+    DELETE_KV,
     INSERT_BLOCK,
     SET_KV,
     SET_OBJECT,
@@ -768,6 +769,10 @@ class BlockStore:
         if self._kv.get(key) != value:
             self._kv[key] = value
             self.worker.row(SET_KV, (key, value))
+
+    def kv_delete(self, key: str) -> None:
+        if self._kv.pop(key, None) is not None:
+            self.worker.row(DELETE_KV, (key,))
 
     def kv_items(self, prefix: str) -> list[tuple[str, str]]:
         return sorted((k, v) for k, v in self._kv.items() if k.startswith(prefix))

@@ -37,6 +37,7 @@ DELETE_BLOCK = "DELETE FROM blocks WHERE version=? AND idx=?"
 TOUCH_BLOCK = "UPDATE blocks SET last_access=? WHERE version=? AND idx=?"
 SET_OBJECT = "INSERT OR REPLACE INTO objects VALUES (?,?)"
 SET_KV = "INSERT OR REPLACE INTO kv VALUES (?,?)"
+DELETE_KV = "DELETE FROM kv WHERE key=?"
 
 
 def connect(path: Path, busy_timeout: float = 30.0) -> sqlite3.Connection:

@@ -26,6 +26,9 @@ from spokefs.policy import BlockKey, EvictionPolicy
 log = logging.getLogger(__name__)
 
 _WS_PREFIX = "workingset:"
+# Learned working sets kept on disk (job names are chosen by clients): past this many, the
+# one saved longest ago is forgotten.
+MAX_SAVED_WORKING_SETS = 256
 
 
 class CacheFacts(Protocol):
@@ -35,6 +38,7 @@ class CacheFacts(Protocol):
     def pin(self, key: BlockKey) -> None: ...
     def unpin(self, key: BlockKey) -> None: ...
     def kv_set(self, key: str, value: str) -> None: ...
+    def kv_delete(self, key: str) -> None: ...
     def kv_items(self, prefix: str) -> list[tuple[str, str]]: ...
 
 
@@ -52,6 +56,8 @@ class PrefetchDriver:
         self._by_version: dict[str, dict[str, int]] = {}     # dataset -> version -> index
         self._key_dataset: dict[BlockKey, str] = {}          # planner fetches in flight
         self._later: list[tuple[pl.Event, str | None]] = []
+        # Saved working sets, oldest first (those of an earlier run first, in key order).
+        self._saved: dict[str, None] = dict.fromkeys(k for k, _ in cache.kv_items(_WS_PREFIX))
 
     @property
     def loop_time(self) -> float:
@@ -147,8 +153,14 @@ class PrefetchDriver:
                 if fn is not None:
                     fn(a.keys, a.stream)  # one stream per job: jobs don't overwrite
             elif isinstance(a, pl.WorkingSetLearned):
-                cache.kv_set(f"{_WS_PREFIX}{a.dataset}:{a.job}",
-                             json.dumps(a.working_set.to_json()))
+                key = f"{_WS_PREFIX}{a.dataset}:{a.job}"
+                cache.kv_set(key, json.dumps(a.working_set.to_json()))
+                self._saved.pop(key, None)
+                self._saved[key] = None
+                while len(self._saved) > MAX_SAVED_WORKING_SETS:
+                    oldest = next(iter(self._saved))
+                    del self._saved[oldest]
+                    cache.kv_delete(oldest)
 
     def _answer(self, event: pl.Event, dataset: str | None) -> None:
         # Answered on the next loop turn, never re-entering the planner from inside handle():
