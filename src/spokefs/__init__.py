@@ -8,14 +8,17 @@ from spokefs.client.file import open
 from spokefs.errors import (
     BadRequest,
     ConfigError,
+    Forbidden,
     IntegrityError,
     NotFound,
     RangeNotSatisfiable,
     SpokeError,
+    Unauthorized,
     UpstreamUnavailable,
     VersionGone,
 )
 
 __version__ = "0.1.0"
-__all__ = ["BadRequest", "ConfigError", "IntegrityError", "NotFound", "RangeNotSatisfiable",
-           "SpokeError", "UpstreamUnavailable", "VersionGone", "open"]
+__all__ = ["BadRequest", "ConfigError", "Forbidden", "IntegrityError", "NotFound",
+           "RangeNotSatisfiable", "SpokeError", "Unauthorized", "UpstreamUnavailable",
+           "VersionGone", "open"]

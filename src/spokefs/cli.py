@@ -9,7 +9,9 @@ from __future__ import annotations
 import argparse
 import importlib
 import logging
+import os
 import sys
+from pathlib import Path
 
 from spokefs.errors import SpokeError
 
@@ -32,6 +34,9 @@ def build_parser() -> argparse.ArgumentParser:
         "caches them near the compute, a mount shows them as ordinary files.",
     )
     parser.add_argument("-v", "--verbose", action="count", default=0, help="more log output")
+    parser.add_argument("--token-file", metavar="FILE",
+                        help="the token to present to hubs and spokes (its first line); "
+                        "else the environment variable SPOKEFS_TOKEN")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     sub.required = True
     register_modules(sub, COMMAND_MODULES)
@@ -50,6 +55,11 @@ def main(argv: list[str] | None = None) -> int:
     level = logging.WARNING - 10 * min(args.verbose, 2) if args.verbose else logging.INFO
     logging.basicConfig(level=level, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     try:
+        if args.token_file:  # every client in this process (and a mount it starts) uses it
+            from spokefs.wire.auth import ENV_TOKEN_FILE, read_token_file
+
+            read_token_file(Path(args.token_file))  # readable, not empty: else a clear error
+            os.environ[ENV_TOKEN_FILE] = str(Path(args.token_file).absolute())
         return int(args.func(args) or 0)
     except SpokeError as exc:
         print(f"spokefs: error: {exc}", file=sys.stderr)

@@ -6,6 +6,8 @@
     ├── BadRequest                  malformed request or path that tries to escape (HTTP 400)
     │   └── TooLarge                a body or a list in it past its bound (HTTP 413)
     ├── RangeNotSatisfiable         a range past the end of a file (HTTP 416)
+    ├── Unauthorized                no token, or an unknown one (HTTP 401)
+    ├── Forbidden                   a token that does not allow the request (HTTP 403)
     ├── UpstreamUnavailable         upstream unreachable past the deadline (HTTP 503)
     ├── IntegrityError              bytes that do not match their digest
     ├── ConfigError                 a bad size, duration, URL or option
@@ -57,6 +59,20 @@ class TooLarge(BadRequest):
 
     status = 413
     code = "too_large"
+
+
+class Unauthorized(SpokeError):
+    """No token, or one the server does not know (spokefs.wire.auth)."""
+
+    status = 401
+    code = "unauthorized"
+
+
+class Forbidden(SpokeError):
+    """A token that does not allow this request (a read token asking to purge, say)."""
+
+    status = 403
+    code = "forbidden"
 
 
 class RangeNotSatisfiable(SpokeError):
@@ -155,6 +171,10 @@ def from_status(status: int, body: dict | None, fallback: str) -> SpokeError:
         return VersionGone(message)
     if status == 416:
         return RangeNotSatisfiable(message, int(err.get("size", -1)))
+    if status == 401:
+        return Unauthorized(message)
+    if status == 403:
+        return Forbidden(message)
     if status == 400:
         return BadRequest(message)
     if status == 413:

@@ -18,6 +18,7 @@ import urllib3
 from spokefs.errors import UpstreamUnavailable, from_status
 from spokefs.manifest import Manifest
 from spokefs.retry import backoff_delays
+from spokefs.wire.auth import FROM_ENV, bearer, client_token
 
 _pools: dict[tuple[int, str], urllib3.PoolManager] = {}
 _pools_lock = threading.Lock()
@@ -36,10 +37,13 @@ def _pool(base: str) -> urllib3.PoolManager:
 
 
 class Client:
-    def __init__(self, base: str, deadline: float = 30.0, timeout: float = 60.0) -> None:
+    def __init__(self, base: str, deadline: float = 30.0, timeout: float = 60.0,
+                 token: str | object | None = FROM_ENV) -> None:
         self.base = base.rstrip("/")
         self.deadline = deadline
         self.timeout = urllib3.Timeout(connect=10, read=timeout)
+        tok = client_token() if token is FROM_ENV else token
+        self._auth = bearer(tok)  # type: ignore[arg-type]  # with every request; never logged
 
     def request(self, method: str, path: str, headers: dict[str, str] | None = None,
                 body: bytes | None = None, decode: bool = True, stream: bool = False
@@ -49,7 +53,8 @@ class Client:
         end = time.monotonic() + self.deadline
         for delay in backoff_delays():
             try:
-                resp = _pool(self.base).request(method, f"{self.base}{path}", headers=headers,
+                resp = _pool(self.base).request(method, f"{self.base}{path}",
+                                                headers={**self._auth, **(headers or {})},
                                                 body=body, timeout=self.timeout,
                                                 decode_content=decode,
                                                 preload_content=not stream)

@@ -8,6 +8,7 @@ import json
 
 from spokefs.integrity import DEFAULT_BLOCK_SIZE
 from spokefs.units import parse_size
+from spokefs.wire.authargs import add_auth_arguments
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -31,6 +32,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     common(serve)
     serve.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
     serve.add_argument("--port", type=int, default=8470, help="port (default 8470; 0 = any)")
+    add_auth_arguments(serve)
     serve.set_defaults(func=_serve)
 
     snap = hsub.add_parser("snapshot", help="record a new snapshot of DIR",
@@ -42,15 +44,21 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 def _serve(args: argparse.Namespace) -> int:
     from spokefs.hub.backend import HubBackend, open_state
+    from spokefs.wire.auth import check_bind
     from spokefs.wire.run import serve_forever
     from spokefs.wire.server import build_app
 
+    if args.auth is not None:
+        from spokefs.wire.auth import TokenFile
+
+        TokenFile(args.auth)  # a bad token file stops the hub before it scans
     state = open_state(args.dir, args.name, args.state_dir, args.block_size)
     result = state.scan(show_progress=True)
     s = result.snapshot
     print(f"dataset {state.name}: snapshot {s.id} ({s.files} files, {s.bytes} bytes"
           f"{', new' if result.created_new else ''})", flush=True)
-    app = build_app(HubBackend([state]))
+    check_bind(args.host, args.auth, args.insecure, "hub")
+    app = build_app(HubBackend([state]), auth=args.auth)
     try:
         asyncio.run(serve_forever(app, args.host, args.port, "hub"))
     finally:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 from aiohttp import web
 
 from spokefs.spoke.routes import SpokeRoutes
@@ -11,7 +13,8 @@ from spokefs.wire.server import build_app
 
 
 def build_spoke_app(backend: SpokeBackend) -> web.Application:
-    app = build_app(backend, SpokeRoutes(backend).routes())
+    auth = backend.config.auth
+    app = build_app(backend, SpokeRoutes(backend).routes(), auth=Path(auth) if auth else None)
 
     async def lifecycle(app: web.Application):
         await backend.start()

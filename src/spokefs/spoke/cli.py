@@ -8,6 +8,7 @@ from pathlib import Path
 
 from spokefs.errors import ConfigError
 from spokefs.units import parse_duration, parse_size
+from spokefs.wire.authargs import add_auth_arguments
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -59,6 +60,10 @@ def register(sub: argparse._SubParsersAction) -> None:
                        help="how far one read of a large range fetches ahead of what its "
                        "client has taken (default 64MiB): a slow or abandoned reader holds "
                        "and pulls no more than this")
+    add_auth_arguments(serve)
+    serve.add_argument("--upstream-token-file", type=Path, metavar="FILE",
+                       help="this spoke's own token for its upstream (its first line); a "
+                       "spoke never forwards a client's token")
     serve.add_argument("--pin-ttl", type=parse_duration, default=24 * 3600.0,
                        metavar="DURATION", help="how long a warm-up's pins hold (default "
                        "24h; warm again to renew); warm-ups may pin at most 80%% of the cache")
@@ -85,7 +90,16 @@ def _serve(args: argparse.Namespace) -> int:
                          latest_ttl=args.latest_ttl, prefetch=not args.no_prefetch,
                          prefetch_inflight=args.prefetch_inflight,
                          pacing=not args.no_pacing, write_io=args.write_io,
-                         read_window=args.read_window, pin_ttl=args.pin_ttl)
+                         read_window=args.read_window, pin_ttl=args.pin_ttl,
+                         auth=str(args.auth) if args.auth else None,
+                         upstream_token_file=(str(args.upstream_token_file)
+                                              if args.upstream_token_file else None))
+    from spokefs.wire.auth import TokenFile, check_bind
+
+    check_bind(args.host, args.auth, args.insecure, "spoke")
+    if args.auth is not None:
+        TokenFile(args.auth)  # a bad token file stops the spoke before it starts
+    config.upstream_token()  # and so does an unreadable upstream token file
     from spokefs.spoke.workers import default_workers, serve_workers
 
     workers = default_workers() if args.workers is None else args.workers

@@ -190,7 +190,8 @@ class Fetcher:
     def __init__(self, upstream: str, store: BlockStore, metrics: SpokeMetrics, *,
                  spawn: Spawn, max_requests: int = 64, deadline: float = 30.0,
                  link: LinkModel | None = None,
-                 finished: Callable[[BlockKey, bool], None] | None = None) -> None:
+                 finished: Callable[[BlockKey, bool], None] | None = None,
+                 token: str | None = None) -> None:
         self.upstream = upstream
         self.store = store
         self.metrics = metrics
@@ -199,7 +200,7 @@ class Fetcher:
         self.link = link
         self.finished = finished or (lambda key, resident: None)
         self.client = DataClient(upstream, max_connections=max_requests,
-                                 idle_timeout=deadline)
+                                 idle_timeout=deadline, token=token)
         self.queue = FetchQueue(max_requests, prefetch_window=(
             link.window() if link is not None else None))
         self._fetches: dict[BlockKey, Fetch] = {}

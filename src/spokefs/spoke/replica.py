@@ -44,7 +44,7 @@ from spokefs.spoke.routes import read_body
 from spokefs.tasks import Tasks
 from spokefs.wire.backend import BlockPart, DatasetInfo, ManifestMemo, ReadContext, Segment
 from spokefs.wire.client import UpstreamClient
-from spokefs.wire.server import H_JOB, H_READER, build_app
+from spokefs.wire.server import H_AUTH_ADMIN, H_AUTH_NAME, H_JOB, H_READER, build_app
 
 log = logging.getLogger(__name__)
 
@@ -79,7 +79,7 @@ class ReplicaBackend:
         self.registry = CollectorRegistry()
         # The primary answers within its deadline (a 503 naming the upstream at worst):
         # wait a little longer than that, and relay what it says.
-        self.primary = UpstreamClient("http://spoke-primary", max_connections=32,
+        self.primary = UpstreamClient("http://spoke-primary", max_connections=32, token=None,
                                       request_timeout=deadline + 10.0,
                                       unix_socket=str(primary_socket), answers_final=True)
         self.tasks = Tasks()
@@ -151,6 +151,10 @@ class ReplicaBackend:
     async def forward(self, request: web.Request) -> web.Response:
         """Pass a request to the primary and its answer back."""
         headers = {h: request.headers[h] for h in _FORWARDED_HEADERS if h in request.headers}
+        token = request.get("token")
+        if token is not None:  # checked here; the primary hears whose request it is
+            headers[H_AUTH_NAME] = token.name
+            headers[H_AUTH_ADMIN] = "1" if token.admin else "0"
         body = bytes(await read_body(request))  # bounded, like the primary's own
         status, rh, data = await self._call(
             f"{request.method} {request.path}", self.primary.forward, request.method,
@@ -345,14 +349,15 @@ class ReplicaBackend:
         return parts
 
 
-def build_replica_app(backend: ReplicaBackend) -> web.Application:
+def build_replica_app(backend: ReplicaBackend, auth: Path | None = None) -> web.Application:
     async def flush(request: web.Request) -> web.Response:
         await backend._report()
         return web.json_response({})
 
     routes = [web.post("/v1/workers/flush", flush)]
     routes += [web.route(method, path, backend.forward) for method, path in PROXIED]
-    app = build_app(backend, routes)  # type: ignore[arg-type]
+    app = build_app(backend, routes, auth=auth,  # type: ignore[arg-type]
+                    job_owners=False)  # the primary keeps who owns a job
 
     async def lifecycle(app: web.Application) -> AsyncIterator[None]:
         await backend.start()

@@ -89,6 +89,16 @@ class SpokeConfig:
     read_window: int = 64 << 20
     pin_ttl: float = 24 * 3600.0    # a warm-up's pins are released after this long
     pin_share: float = 0.8          # most of the capacity warm-ups may pin at once
+    auth: str | None = None         # token file clients must present a token of (wire.auth)
+    upstream_token_file: str | None = None  # this spoke's own token for its upstream
+
+    def upstream_token(self) -> str | None:
+        """The token this spoke presents upstream: its own, never a client's."""
+        if self.upstream_token_file is None:
+            return None
+        from spokefs.wire.auth import read_token_file
+
+        return read_token_file(Path(self.upstream_token_file))
 
     def direct_io(self) -> bool:
         """Whether cache writes bypass the page cache. A cache larger than half the memory
@@ -113,8 +123,9 @@ class SpokeBackend:
                                 _policy(config.policy, config.cache_size), fsync=config.fsync,
                                 direct_io=config.direct_io())
         # Metadata (dataset info, manifests): small JSON answers, through aiohttp.
+        token = config.upstream_token()
         self.upstream = UpstreamClient(config.upstream, max_connections=8,
-                                       request_timeout=config.deadline)
+                                       request_timeout=config.deadline, token=token)
         # What the link needs in flight, measured; prefetch beyond it would only slow readers.
         self.link = LinkModel(max_window=config.prefetch_inflight) if config.pacing else None
         self.tasks = Tasks(on_failure=lambda name: self.metrics.task_failures.labels(
@@ -122,7 +133,7 @@ class SpokeBackend:
         self.fetcher = Fetcher(config.upstream, self.store, self.metrics,
                                spawn=lambda c: self.tasks.spawn(c, "fetch"),
                                max_requests=config.max_inflight, deadline=config.deadline,
-                               link=self.link, finished=self._fetch_finished)
+                               link=self.link, finished=self._fetch_finished, token=token)
         self.fetcher.expected_size = self._expected_size
         # Checks of large reads run here, off the event loop (xxhash and pread release the GIL)
         self._checker = ThreadPoolExecutor(2, thread_name_prefix="spokefs-check")
@@ -588,7 +599,7 @@ class SpokeBackend:
         from spokefs.spoke.workers import replica_sockets
 
         async def flush(path: Path) -> None:
-            client = UpstreamClient("http://spoke-replica", max_connections=1,
+            client = UpstreamClient("http://spoke-replica", max_connections=1, token=None,
                                     request_timeout=2.0, unix_socket=str(path))
             try:
                 await client.post_json("/v1/workers/flush", {})

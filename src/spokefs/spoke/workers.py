@@ -135,6 +135,13 @@ def serve_workers(config: SpokeConfig, host: str, port: int, n: int) -> int:
 
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, on_signal)
+
+    def on_hangup(signum: int, _frame: Any) -> None:  # each worker re-reads its token file
+        for w in workers:
+            if w.proc is not None and w.proc.poll() is None:
+                w.proc.send_signal(signal.SIGHUP)
+
+    signal.signal(signal.SIGHUP, on_hangup)
     try:
         workers[0].start()  # the primary opens the store before anyone reads it
         workers[0].wait_ready(120)
@@ -182,7 +189,8 @@ def run_worker(role: str, index: int, listen_fd: int, unix_path: str, config_raw
                                  config.read_window)
         # Its own socket, where the primary asks it for its counts before a scrape.
         mine = str(config.cache_dir / f"worker-{index}.sock")
-        asyncio.run(serve_forever(build_replica_app(backend), "", 0, "spoke-worker",
+        auth = Path(config.auth) if config.auth else None
+        asyncio.run(serve_forever(build_replica_app(backend, auth), "", 0, "spoke-worker",
                                   sock=sock, unix_path=mine))
     return 0
 

@@ -27,6 +27,7 @@ import aiohttp
 
 from spokefs.errors import BadUpstream, Transient, from_status
 from spokefs.manifest import MAX_MANIFEST_BLOB, MAX_MANIFEST_BYTES, Manifest
+from spokefs.wire.auth import FROM_ENV, bearer, client_token
 from spokefs.wire.server import H_BLOCK_SIZE, H_DIGEST
 
 MAX_JSON_BYTES = 16 << 20
@@ -50,8 +51,11 @@ class UpstreamClient:
                  request_timeout: float = 60.0, unix_socket: str | None = None,
                  answers_final: bool = False, max_json_bytes: int = MAX_JSON_BYTES,
                  max_manifest_bytes: int = MAX_MANIFEST_BLOB,
-                 max_manifest_json: int = MAX_MANIFEST_BYTES) -> None:
+                 max_manifest_json: int = MAX_MANIFEST_BYTES,
+                 token: str | object | None = FROM_ENV) -> None:
         self.base_url = base_url.rstrip("/")
+        tok = client_token() if token is FROM_ENV else token
+        self._headers = bearer(tok)  # type: ignore[arg-type]  # with every request; never logged
         # Bounds on what an answer may hold (see the module docstring).
         self.max_json_bytes = max_json_bytes
         self.max_manifest_bytes = max_manifest_bytes   # as sent (gzip'd)
@@ -81,7 +85,8 @@ class UpstreamClient:
             timeout = aiohttp.ClientTimeout(total=None, sock_connect=10,
                                             sock_read=self.request_timeout)
             self._session = aiohttp.ClientSession(connector=connector, timeout=timeout,
-                                                  auto_decompress=False)
+                                                  auto_decompress=False,
+                                                  headers=self._headers)
         return self._session
 
     async def close(self) -> None:

@@ -29,6 +29,7 @@ from typing import Protocol
 from urllib.parse import urlsplit
 
 from spokefs.errors import Transient, from_status
+from spokefs.wire.auth import FROM_ENV, client_token
 from spokefs.wire.frames import FrameError, FrameHeader, FrameReader
 from spokefs.wire.ranges import ascii_digits
 
@@ -301,7 +302,8 @@ class DataClient:
     """
 
     def __init__(self, base_url: str, max_connections: int = 64,
-                 idle_timeout: float = 60.0, connect_timeout: float = 10.0) -> None:
+                 idle_timeout: float = 60.0, connect_timeout: float = 10.0,
+                 token: str | object | None = FROM_ENV) -> None:
         u = urlsplit(base_url)
         if u.scheme != "http" or not u.hostname:
             raise ValueError(f"the data client needs an http:// URL, not {base_url!r}")
@@ -310,6 +312,9 @@ class DataClient:
         self.port = u.port or 80
         self.prefix = u.path.rstrip("/")
         self._host_header = u.netloc
+        tok = client_token() if token is FROM_ENV else token
+        # Sent with every request (spokefs.wire.auth); never logged.
+        self._auth = f"Authorization: Bearer {tok}\r\n" if tok else ""
         self.idle_timeout = idle_timeout
         self.connect_timeout = connect_timeout
         self.max_connections = max_connections
@@ -328,7 +333,7 @@ class DataClient:
         The count is less than len(buf) only at the end of the object."""
         extra = "".join(f"{k}: {v}\r\n" for k, v in (headers or {}).items())
         request = (f"GET {self.prefix}{path} HTTP/1.1\r\nHost: {self._host_header}\r\n"
-                   f"Range: bytes={start}-{start + len(buf) - 1}\r\n{extra}"
+                   f"Range: bytes={start}-{start + len(buf) - 1}\r\n{extra}{self._auth}"
                    "Accept-Encoding: identity\r\n\r\n").encode()
         sinks: list[_IntoBuffer] = []
 
@@ -356,6 +361,7 @@ class DataClient:
         whole frame before the cut was delivered."""
         request = (f"POST {self.prefix}{path} HTTP/1.1\r\nHost: {self._host_header}\r\n"
                    f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n"
+                   f"{self._auth}"
                    "Accept-Encoding: identity\r\n\r\n").encode() + body
         readers: list[FrameReader] = []
 

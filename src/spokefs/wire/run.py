@@ -14,6 +14,8 @@ from collections.abc import Awaitable, Callable
 
 from aiohttp import web
 
+from spokefs.wire.server import AUTH_KEY
+
 # A connection that has not sent a whole request within this many seconds (a slow sender of
 # headers, or an idle keep-alive) is closed. aiohttp's default keeps one for an hour.
 IDLE_TIMEOUT = float(os.environ.get("SPOKEFS_IDLE_TIMEOUT", "30"))
@@ -57,6 +59,10 @@ class _Runner(web.AppRunner):
     def server(self) -> web.Server | None:  # what the sites hand to create_server
         inner = super().server
         return None if inner is None else _CappedServer(inner, MAX_CONNECTIONS)  # type: ignore[return-value]
+
+
+def _no_reload() -> None:
+    print("SIGHUP: nothing to reload (no --auth)", file=sys.stderr, flush=True)
 
 
 def tune_for_serving() -> None:
@@ -115,6 +121,9 @@ async def serve_forever(app: web.Application, host: str, port: int, role: str,
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
+    tokens = app.get(AUTH_KEY)
+    # SIGHUP reads the token file again (it is also re-read when it changes); never a stop.
+    loop.add_signal_handler(signal.SIGHUP, tokens.reload if tokens is not None else _no_reload)
     try:
         await stop.wait()
     finally:

@@ -17,9 +17,11 @@ import html
 import json
 import logging
 import os
+import socket
 import time
 from collections.abc import AsyncIterator, Callable
 from email.utils import formatdate
+from pathlib import Path
 from urllib.parse import quote
 
 from aiohttp import web
@@ -27,6 +29,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, Counter, generate_latest
 
 from spokefs.errors import BadRequest, NotFound, RangeNotSatisfiable, SpokeError
 from spokefs.manifest import FileEntry
+from spokefs.wire.auth import Forbidden, Token, TokenFile
 from spokefs.wire.backend import Backend, BlockPart, FileSegment, ReadContext, Segment
 from spokefs.wire.frames import HEADER_SIZE, encode_header
 from spokefs.wire.paths import check_dataset_name, clean_path, split_dataset_ref
@@ -467,8 +470,80 @@ def _html_page(title: str, items: str, headers: dict[str, str] | None = None) ->
     return web.Response(text=body, content_type="text/html", headers=headers)
 
 
-def build_app(backend: Backend, extra_routes: list[web.RouteDef] | None = None) -> web.Application:
-    app = web.Application(middlewares=[errors_middleware], client_max_size=64 * 1024 * 1024)
+# What needs an admin token (spokefs.wire.auth); every other route needs read of its dataset.
+ADMIN_ROUTES = frozenset({
+    ("POST", "/v1/purge"), ("POST", "/v1/datasets/{ds}/warm"),
+    ("POST", "/v1/datasets/{ds}/unpin"), ("POST", "/v1/datasets/{ds}/snapshots"),
+    ("POST", "/v1/datasets/{ds}/residency"),
+})
+# A job's order, epochs and end belong to the token that announced it (or an admin).
+JOB_ROUTES = frozenset({
+    ("POST", "/v1/datasets/{ds}/jobs/{job}/order"), ("POST", "/v1/datasets/{ds}/jobs/{job}/epoch"),
+    ("DELETE", "/v1/datasets/{ds}/jobs/{job}"),
+})
+# A replica worker forwards requests it has checked to the primary over the cache folder's
+# unix socket (trusted: only this host's spoke user can reach it), saying whose they are.
+H_AUTH_NAME = "X-Spokefs-Auth-Name"
+H_AUTH_ADMIN = "X-Spokefs-Auth-Admin"
+AUTH_KEY = web.AppKey("auth", TokenFile)
+
+
+def _dataset_of(request: web.Request) -> str | None:
+    ds = request.match_info.get("ds")
+    if ds is None and "ref" in request.match_info:
+        ds = request.match_info["ref"].partition("@")[0]
+    return ds
+
+
+def auth_middleware(tokens: TokenFile, job_owners: bool = True) -> Callable:
+    """``job_owners``: keep who announced each job (the process that owns jobs: a spoke's
+    primary, not a replica worker, which forwards job requests to it)."""
+    owners: dict[tuple[str, str], str] = {}  # (dataset, job) -> the token that announced it
+
+    @web.middleware
+    async def check(request: web.Request, handler: Callable) -> web.StreamResponse:
+        transport = request.transport
+        sock = transport.get_extra_info("socket") if transport is not None else None
+        if sock is not None and sock.family == socket.AF_UNIX:
+            name = request.headers.get(H_AUTH_NAME, "")
+            admin = request.headers.get(H_AUTH_ADMIN) == "1" or not name
+            token = Token(name, admin, None)
+        else:
+            token = tokens.check(request.headers.get("Authorization"))
+        resource = request.match_info.route.resource
+        key = (request.method, resource.canonical if resource is not None else "")
+        ds = _dataset_of(request)
+        if key in ADMIN_ROUTES and not token.admin:
+            raise Forbidden(f"token {token.name!r} ({token.scope}) may not "
+                            f"{request.method} {key[1]}: that needs an admin token")
+        if ds is not None and not token.may_read(ds):
+            raise Forbidden(f"token {token.name!r} ({token.scope}) may not read dataset {ds!r}")
+        if job_owners and key in JOB_ROUTES and ds is not None:
+            job = (ds, request.match_info["job"])
+            owner = owners.get(job)
+            if owner is not None and owner != token.name and not token.admin:
+                raise Forbidden(f"job {job[1]!r} of {ds!r} was announced with token {owner!r}; "
+                                f"token {token.name!r} may not change it")
+            if request.method == "DELETE":
+                owners.pop(job, None)
+            elif len(owners) < 65_536:
+                owners[job] = token.name
+        request["token"] = token
+        return await handler(request)
+
+    return check
+
+
+def build_app(backend: Backend, extra_routes: list[web.RouteDef] | None = None,
+              auth: Path | None = None, job_owners: bool = True) -> web.Application:
+    """The API over ``backend``; with ``auth`` (a token file), every request needs a token."""
+    middlewares: list[Callable] = [errors_middleware]
+    tokens = TokenFile(auth) if auth is not None else None
+    if tokens is not None:
+        middlewares.append(auth_middleware(tokens, job_owners))
+    app = web.Application(middlewares=middlewares, client_max_size=64 * 1024 * 1024)
+    if tokens is not None:
+        app[AUTH_KEY] = tokens
     app[BACKEND_KEY] = backend
     api = Api(backend)
     app.add_routes((extra_routes or []) + api.routes())
