@@ -181,3 +181,66 @@ def test_a_mount_presents_the_token_of_its_environment(stack, tmp_path: Path) ->
         big = "shards/shard-000.tar"  # blocks over HTTP and, on this host, the cache files
         assert (mp / big).read_bytes() == (ds / big).read_bytes()
         assert any("short circuit on" in line for line in m.output), "".join(m.output)
+
+
+# -- TLS ---------------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def tls_stack(tmp_path_factory: pytest.TempPathFactory
+              ) -> Iterator[tuple[Path, ServerProcess, ServerProcess, Path]]:
+    """Hub and spoke over https with certificates of a throwaway authority, tokens on."""
+    import trustme
+
+    root = tmp_path_factory.mktemp("tls")
+    ca = trustme.CA()
+    cert = ca.issue_cert("127.0.0.1", "localhost")
+    cert.private_key_and_cert_chain_pem.write_to_path(str(root / "server.pem"))
+    ca.cert_pem.write_to_path(str(root / "ca.pem"))
+    trustme.CA().cert_pem.write_to_path(str(root / "other-ca.pem"))
+    ds = make_dataset(root / "ds", n_small=4, big_sizes=(5_000_000,))
+    (root / "tokens").write_text(f"spoke read {SPOKE}\nreader read {READER}\n")
+    (root / "spoke.token").write_text(SPOKE)
+    tls = ["--tls-cert", str(root / "server.pem"), "--tls-key", str(root / "server.pem")]
+    env = {"SPOKEFS_CA_BUNDLE": str(root / "ca.pem")}  # the spoke trusts the hub's authority
+    with ServerProcess("hub", "serve", str(ds), "--port", "0", "--state-dir",
+                       str(root / "hubstate"), "--auth", str(root / "tokens"), *tls) as h, \
+            ServerProcess("spoke", "serve", "--upstream", h.url, "--cache-dir",
+                          str(root / "cache"), "--cache-size", "256MiB", "--port", "0",
+                          "--no-fsync", "--auth", str(root / "tokens"),
+                          "--upstream-token-file", str(root / "spoke.token"), *tls,
+                          env=env) as s:
+        yield ds, h, s, root
+
+
+def test_tls_end_to_end_and_an_untrusted_certificate_is_a_clear_error(
+        tls_stack, monkeypatch) -> None:
+    ds, h, s, root = tls_stack
+    assert h.url.startswith("https://") and s.url.startswith("https://")
+    name = "shards/shard-000.tar"
+    monkeypatch.setenv("SPOKEFS_TOKEN", READER)
+    monkeypatch.setenv("SPOKEFS_CA_BUNDLE", str(root / "ca.pem"))
+    import spokefs.wire.tls as tls
+
+    tls._client_context.cache_clear()
+    with spokefs.open(f"{s.url}/ds/{name}") as f:  # client -> spoke -> hub, all https
+        assert f.read() == (ds / name).read_bytes()
+    run = subprocess.run([sys.executable, "-m", "spokefs.cli", "--ca-bundle",
+                          str(root / "other-ca.pem"), "cat", f"{s.url}/ds/{name}"],
+                         capture_output=True, timeout=60)
+    assert run.returncode == 2
+    err = run.stderr.decode()
+    assert "certificate" in err and "not trusted" in err and "--ca-bundle" in err, err
+    plain = subprocess.run([sys.executable, "-m", "spokefs.cli", "status",
+                            s.url.replace("https://", "http://")], capture_output=True,
+                           timeout=60)
+    assert plain.returncode != 0  # no plain http on a TLS port
+
+
+@pytest.mark.skipif(fuse_unusable() is not None, reason=f"no FUSE: {fuse_unusable()}")
+def test_a_mount_over_tls(tls_stack, tmp_path: Path) -> None:
+    ds, _, s, root = tls_stack
+    mp = tmp_path / "mnt"
+    mp.mkdir()
+    with MountProcess(f"{s.url}/ds", mp, env={"SPOKEFS_TOKEN": READER,
+                                              "SPOKEFS_CA_BUNDLE": str(root / "ca.pem")}):
+        for name in ("class0/img0000.jpg", "shards/shard-000.tar"):
+            assert (mp / name).read_bytes() == (ds / name).read_bytes()

@@ -13,7 +13,7 @@ import os
 import sys
 from pathlib import Path
 
-from spokefs.errors import SpokeError
+from spokefs.errors import ConfigError, SpokeError
 
 # Module paths whose register(subparsers) adds subcommands, in --help order.
 COMMAND_MODULES = [
@@ -37,6 +37,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--token-file", metavar="FILE",
                         help="the token to present to hubs and spokes (its first line); "
                         "else the environment variable SPOKEFS_TOKEN")
+    parser.add_argument("--ca-bundle", metavar="FILE",
+                        help="certificate authorities to trust for https hubs and spokes "
+                        "(PEM); else SPOKEFS_CA_BUNDLE, else the system's")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     sub.required = True
     register_modules(sub, COMMAND_MODULES)
@@ -60,6 +63,12 @@ def main(argv: list[str] | None = None) -> int:
 
             read_token_file(Path(args.token_file))  # readable, not empty: else a clear error
             os.environ[ENV_TOKEN_FILE] = str(Path(args.token_file).absolute())
+        if args.ca_bundle:  # likewise: every https client here and in what it starts
+            from spokefs.wire.tls import ENV_CA_BUNDLE
+
+            if not Path(args.ca_bundle).is_file():
+                raise ConfigError(f"--ca-bundle {args.ca_bundle}: no such file")
+            os.environ[ENV_CA_BUNDLE] = str(Path(args.ca_bundle).absolute())
         return int(args.func(args) or 0)
     except SpokeError as exc:
         print(f"spokefs: error: {exc}", file=sys.stderr)

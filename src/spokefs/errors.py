@@ -13,6 +13,7 @@
     ├── ConfigError                 a bad size, duration, URL or option
     │   └── CacheLocked             a cache folder another process already uses
     └── BadUpstream                 an upstream answer refused: too large, malformed (HTTP 502)
+        ├── UntrustedCertificate    an https peer whose certificate is not trusted
         └── ManifestError           a manifest that breaks a rule or does not match its id
                                     (also a ValueError)
     Transient                       an upstream failure worth retrying (not a SpokeError:
@@ -140,6 +141,17 @@ class BadUpstream(SpokeError):
 
     status = 502
     code = "bad_upstream"
+
+
+class UntrustedCertificate(BadUpstream):
+    """An https peer whose certificate this side does not trust (spokefs.wire.tls). Final:
+    the message names the host and the fix; an answer to a client does not."""
+
+    code = "tls_untrusted"
+
+    def to_json(self) -> dict[str, object]:
+        return {"error": {"code": self.code, "message": "the upstream's TLS certificate is "
+                          "not trusted by this server (see its log)"}}
 
 
 class ManifestError(BadUpstream, ValueError):

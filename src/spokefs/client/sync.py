@@ -19,6 +19,7 @@ from spokefs.errors import UpstreamUnavailable, from_status
 from spokefs.manifest import Manifest
 from spokefs.retry import backoff_delays
 from spokefs.wire.auth import FROM_ENV, bearer, client_token
+from spokefs.wire.tls import client_context, untrusted
 
 _pools: dict[tuple[int, str], urllib3.PoolManager] = {}
 _pools_lock = threading.Lock()
@@ -31,8 +32,9 @@ def _pool(base: str) -> urllib3.PoolManager:
     with _pools_lock:
         pm = _pools.get(key)
         if pm is None:
+            tls = client_context() if base.startswith("https:") else None
             pm = _pools[key] = urllib3.PoolManager(num_pools=4, maxsize=32, block=False,
-                                                   retries=False)
+                                                   retries=False, ssl_context=tls)
         return pm
 
 
@@ -59,6 +61,9 @@ class Client:
                                                 decode_content=decode,
                                                 preload_content=not stream)
             except urllib3.exceptions.HTTPError as exc:
+                if isinstance(exc.__cause__ or exc, urllib3.exceptions.SSLError) or isinstance(
+                        getattr(exc, "reason", None), urllib3.exceptions.SSLError):
+                    raise untrusted(self.base, exc.__cause__ or exc) from exc  # not retried
                 cause = str(exc.__cause__ or exc)
                 remaining = end - time.monotonic()
                 if remaining <= 0:
@@ -113,6 +118,9 @@ class Client:
                     out += chunk
                 return bytes(out)
             except urllib3.exceptions.HTTPError as exc:
+                if isinstance(exc.__cause__ or exc, urllib3.exceptions.SSLError) or isinstance(
+                        getattr(exc, "reason", None), urllib3.exceptions.SSLError):
+                    raise untrusted(self.base, exc.__cause__ or exc) from exc  # not retried
                 cause = str(exc.__cause__ or exc)
             finally:
                 resp.release_conn()

@@ -8,7 +8,7 @@ import json
 
 from spokefs.integrity import DEFAULT_BLOCK_SIZE
 from spokefs.units import parse_size
-from spokefs.wire.authargs import add_auth_arguments
+from spokefs.wire.authargs import add_auth_arguments, tls_paths
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -58,9 +58,10 @@ def _serve(args: argparse.Namespace) -> int:
     print(f"dataset {state.name}: snapshot {s.id} ({s.files} files, {s.bytes} bytes"
           f"{', new' if result.created_new else ''})", flush=True)
     check_bind(args.host, args.auth, args.insecure, "hub")
+    tls = tls_paths(args)
     app = build_app(HubBackend([state]), auth=args.auth)
     try:
-        asyncio.run(serve_forever(app, args.host, args.port, "hub"))
+        asyncio.run(serve_forever(app, args.host, args.port, "hub", tls=tls))
     finally:
         state.close()
     return 0

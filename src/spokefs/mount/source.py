@@ -114,10 +114,8 @@ class UpstreamSource:
         # The per-request timeout is the deadline too: a hung upstream cannot outlast it.
         self.client = UpstreamClient(target.base, max_connections=4,
                                      request_timeout=max(deadline, 1.0))
-        # The lean reader speaks plain http only; https goes through aiohttp (one copy more).
-        self.ranges = (DataClient(target.base, max_connections=max_connections,
-                                  idle_timeout=max(deadline, 1.0))
-                       if target.base.startswith("http://") else None)
+        self.ranges = DataClient(target.base, max_connections=max_connections,
+                                 idle_timeout=max(deadline, 1.0))
         self.want_short_circuit = short_circuit
         self.local: ShortCircuit | None = None
 
@@ -500,7 +498,8 @@ class EmbeddedSource:
 
 
 def _pread_into(fd: int, buf: memoryview, offset: int) -> int:
-    """Fill ``buf`` from ``fd`` at ``offset`` (a block file in the page cache: no thread)."""
+    """Fill ``buf`` from ``fd`` at ``offset`` (a block's region of a segment file: no
+    thread)."""
     n = 0
     while n < len(buf):
         got = os.preadv(fd, [buf[n:]], offset + n)

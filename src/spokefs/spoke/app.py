@@ -26,4 +26,5 @@ def build_spoke_app(backend: SpokeBackend) -> web.Application:
 
 
 async def run_spoke(config: SpokeConfig, host: str, port: int) -> None:
-    await serve_forever(build_spoke_app(SpokeBackend(config)), host, port, "spoke")
+    await serve_forever(build_spoke_app(SpokeBackend(config)), host, port, "spoke",
+                        tls=config.tls())

@@ -8,7 +8,7 @@ from pathlib import Path
 
 from spokefs.errors import ConfigError
 from spokefs.units import parse_duration, parse_size
-from spokefs.wire.authargs import add_auth_arguments
+from spokefs.wire.authargs import add_auth_arguments, tls_paths
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -94,6 +94,12 @@ def _serve(args: argparse.Namespace) -> int:
                          auth=str(args.auth) if args.auth else None,
                          upstream_token_file=(str(args.upstream_token_file)
                                               if args.upstream_token_file else None))
+    tls = tls_paths(args)
+    if tls is not None:
+        from spokefs.wire.tls import server_context
+
+        server_context(*tls)  # a bad certificate stops the spoke before it starts
+        config.tls_cert, config.tls_key = str(tls[0]), str(tls[1])
     from spokefs.wire.auth import TokenFile, check_bind
 
     check_bind(args.host, args.auth, args.insecure, "spoke")

@@ -91,6 +91,12 @@ class SpokeConfig:
     pin_share: float = 0.8          # most of the capacity warm-ups may pin at once
     auth: str | None = None         # token file clients must present a token of (wire.auth)
     upstream_token_file: str | None = None  # this spoke's own token for its upstream
+    tls_cert: str | None = None     # serve https (with tls_key)
+    tls_key: str | None = None
+
+    def tls(self) -> tuple[Path, Path] | None:
+        return (Path(self.tls_cert), Path(self.tls_key)) if self.tls_cert and self.tls_key \
+            else None
 
     def upstream_token(self) -> str | None:
         """The token this spoke presents upstream: its own, never a client's."""

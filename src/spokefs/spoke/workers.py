@@ -149,7 +149,8 @@ def serve_workers(config: SpokeConfig, host: str, port: int, n: int) -> int:
             w.start()
         for w in workers[1:]:
             w.wait_ready(60)
-        print(f"spokefs spoke listening on http://{host}:{port} ({n} workers)", flush=True)
+        scheme = "https" if config.tls() else "http"
+        print(f"spokefs spoke listening on {scheme}://{host}:{port} ({n} workers)", flush=True)
         while not stopping.wait(0.2):
             for w in workers:  # the primary first: replicas wait for it when they ask
                 if w.proc is not None and w.proc.poll() is not None and not stopping.is_set():
@@ -181,7 +182,8 @@ def run_worker(role: str, index: int, listen_fd: int, unix_path: str, config_raw
         from spokefs.spoke.service import SpokeBackend
 
         app = build_spoke_app(SpokeBackend(config))
-        asyncio.run(serve_forever(app, "", 0, "spoke-worker", sock=sock, unix_path=unix_path))
+        asyncio.run(serve_forever(app, "", 0, "spoke-worker", sock=sock, unix_path=unix_path,
+                                  tls=config.tls()))
     else:
         from spokefs.spoke.replica import ReplicaBackend, build_replica_app
 
@@ -191,7 +193,7 @@ def run_worker(role: str, index: int, listen_fd: int, unix_path: str, config_raw
         mine = str(config.cache_dir / f"worker-{index}.sock")
         auth = Path(config.auth) if config.auth else None
         asyncio.run(serve_forever(build_replica_app(backend, auth), "", 0, "spoke-worker",
-                                  sock=sock, unix_path=mine))
+                                  sock=sock, unix_path=mine, tls=config.tls()))
     return 0
 
 

@@ -1,4 +1,5 @@
-"""The command-line options every server takes for tokens (spokefs.wire.auth)."""
+"""The command-line options every server takes for tokens and TLS (spokefs.wire.auth,
+spokefs.wire.tls)."""
 
 from __future__ import annotations
 
@@ -15,3 +16,16 @@ def add_auth_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--insecure", action="store_true",
                         help="allow a --host other than loopback without --auth (anyone who "
                         "can reach the port can read and change everything)")
+    parser.add_argument("--tls-cert", type=Path, metavar="FILE",
+                        help="serve https with this certificate (PEM; with --tls-key)")
+    parser.add_argument("--tls-key", type=Path, metavar="FILE",
+                        help="the certificate's private key (PEM)")
+
+
+def tls_paths(args: argparse.Namespace) -> tuple[Path, Path] | None:
+    """(cert, key), or None for plain http; a clear error if only one is given."""
+    from spokefs.errors import ConfigError
+
+    if (args.tls_cert is None) != (args.tls_key is None):
+        raise ConfigError("--tls-cert and --tls-key go together")
+    return None if args.tls_cert is None else (args.tls_cert, args.tls_key)

@@ -29,6 +29,7 @@ from spokefs.errors import BadUpstream, Transient, from_status
 from spokefs.manifest import MAX_MANIFEST_BLOB, MAX_MANIFEST_BYTES, Manifest
 from spokefs.wire.auth import FROM_ENV, bearer, client_token
 from spokefs.wire.server import H_BLOCK_SIZE, H_DIGEST
+from spokefs.wire.tls import client_context, untrusted
 
 MAX_JSON_BYTES = 16 << 20
 _ERROR_BODY_BYTES = 1 << 20  # room for an error answer to a read of a few bytes
@@ -79,9 +80,10 @@ class UpstreamClient:
                 connector = aiohttp.UnixConnector(self.unix_socket, limit=self.max_connections,
                                                   keepalive_timeout=120)
             else:
-                connector = aiohttp.TCPConnector(limit=self.max_connections,
-                                                 limit_per_host=self.max_connections,
-                                                 keepalive_timeout=120, ttl_dns_cache=300)
+                connector = aiohttp.TCPConnector(
+                    limit=self.max_connections, limit_per_host=self.max_connections,
+                    keepalive_timeout=120, ttl_dns_cache=300,
+                    ssl=client_context() if self.base_url.startswith("https:") else False)
             timeout = aiohttp.ClientTimeout(total=None, sock_connect=10,
                                             sock_read=self.request_timeout)
             self._session = aiohttp.ClientSession(connector=connector, timeout=timeout,
@@ -116,6 +118,8 @@ class UpstreamClient:
                 body = b"" if method == "HEAD" else await self._body(
                     resp, limit, f"{method} {path}", on_bytes)
                 return resp.status, dict(resp.headers), body, first_byte
+        except aiohttp.ClientConnectorCertificateError as exc:
+            raise untrusted(self.base_url, exc.certificate_error) from exc
         except (TimeoutError, aiohttp.ClientError, OSError) as exc:
             raise Transient(f"{type(exc).__name__}: {exc}" if str(exc) else
                             type(exc).__name__) from exc
@@ -159,6 +163,8 @@ class UpstreamClient:
                 data = await resp.read()
                 self.last_received = time.monotonic()
                 return resp.status, dict(resp.headers), data
+        except aiohttp.ClientConnectorCertificateError as exc:
+            raise untrusted(self.base_url, exc.certificate_error) from exc
         except (TimeoutError, aiohttp.ClientError, OSError) as exc:
             raise Transient(f"{type(exc).__name__}: {exc}" if str(exc) else
                             type(exc).__name__) from exc
@@ -174,6 +180,8 @@ class UpstreamClient:
                 self.last_received = time.monotonic()
                 body = await self._body(resp, self.max_json_bytes, f"POST {path}")
                 status = resp.status
+        except aiohttp.ClientConnectorCertificateError as exc:
+            raise untrusted(self.base_url, exc.certificate_error) from exc
         except (TimeoutError, aiohttp.ClientError, OSError) as exc:
             raise Transient(str(exc) or type(exc).__name__) from exc
         self._check(status, body, path)

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import ssl
 import time
 from collections.abc import Callable
 from typing import Protocol
@@ -32,6 +33,7 @@ from spokefs.errors import Transient, from_status
 from spokefs.wire.auth import FROM_ENV, client_token
 from spokefs.wire.frames import FrameError, FrameHeader, FrameReader
 from spokefs.wire.ranges import ascii_digits
+from spokefs.wire.tls import client_context, untrusted
 
 _SCRATCH = 256 * 1024     # one recv of small pieces
 _DIRECT_MIN = 64 * 1024   # a payload piece at least this large is received in place
@@ -305,11 +307,12 @@ class DataClient:
                  idle_timeout: float = 60.0, connect_timeout: float = 10.0,
                  token: str | object | None = FROM_ENV) -> None:
         u = urlsplit(base_url)
-        if u.scheme != "http" or not u.hostname:
-            raise ValueError(f"the data client needs an http:// URL, not {base_url!r}")
+        if u.scheme not in ("http", "https") or not u.hostname:
+            raise ValueError(f"the data client needs an http(s):// URL, not {base_url!r}")
         self.base_url = base_url.rstrip("/")
         self.host = u.hostname
-        self.port = u.port or 80
+        self.port = u.port or (443 if u.scheme == "https" else 80)
+        self._tls = client_context() if u.scheme == "https" else None
         self.prefix = u.path.rstrip("/")
         self._host_header = u.netloc
         tok = client_token() if token is FROM_ENV else token
@@ -423,8 +426,11 @@ class DataClient:
         loop = asyncio.get_running_loop()
         try:
             async with asyncio.timeout(self.connect_timeout):
-                _, conn = await loop.create_connection(lambda: _Connection(self), self.host,
-                                                       self.port)
+                _, conn = await loop.create_connection(
+                    lambda: _Connection(self), self.host, self.port, ssl=self._tls,
+                    server_hostname=self.host if self._tls is not None else None)
+        except ssl.SSLCertVerificationError as exc:
+            raise untrusted(f"{self.host}:{self.port}", exc) from exc
         except (OSError, TimeoutError) as exc:
             reason = (exc.strerror if isinstance(exc, OSError) and exc.strerror else
                       str(exc) or type(exc).__name__)

@@ -11,10 +11,12 @@ import signal
 import socket
 import sys
 from collections.abc import Awaitable, Callable
+from pathlib import Path
 
 from aiohttp import web
 
 from spokefs.wire.server import AUTH_KEY
+from spokefs.wire.tls import server_context
 
 # A connection that has not sent a whole request within this many seconds (a slow sender of
 # headers, or an idle keep-alive) is closed. aiohttp's default keeps one for an hour.
@@ -89,8 +91,8 @@ def tune_for_serving() -> None:
 
 async def serve_forever(app: web.Application, host: str, port: int, role: str,
                         on_ready: Callable[[str], Awaitable[None]] | None = None, *,
-                        sock: socket.socket | None = None, unix_path: str | None = None
-                        ) -> None:
+                        sock: socket.socket | None = None, unix_path: str | None = None,
+                        tls: tuple[Path, Path] | None = None) -> None:
     """Serve ``app`` on host:port (or on ``sock``, already bound and listening: a worker of
     several sharing one port), and also on ``unix_path`` if given, until SIGINT/SIGTERM."""
     tune_for_serving()
@@ -101,10 +103,12 @@ async def serve_forever(app: web.Application, host: str, port: int, role: str,
                      keepalive_timeout=IDLE_TIMEOUT, auto_decompress=False)
     await runner.setup()
     site: web.BaseSite
+    ssl_context = server_context(*tls) if tls is not None else None
     if sock is not None:
-        site = web.SockSite(runner, sock)
+        site = web.SockSite(runner, sock, ssl_context=ssl_context)
     else:
-        site = web.TCPSite(runner, host, port, backlog=1024, reuse_address=True)
+        site = web.TCPSite(runner, host, port, backlog=1024, reuse_address=True,
+                           ssl_context=ssl_context)
     await site.start()
     if unix_path is not None:
         with contextlib.suppress(FileNotFoundError):
@@ -112,7 +116,7 @@ async def serve_forever(app: web.Application, host: str, port: int, role: str,
         await web.UnixSite(runner, unix_path).start()
     bound = site._server.sockets[0]  # type: ignore[union-attr]
     bound_host, bound_port = bound.getsockname()[:2]
-    url = f"http://{bound_host}:{bound_port}"
+    url = f"{'https' if tls else 'http'}://{bound_host}:{bound_port}"
     # The ready line: tests, benchmarks and scripts parse it (port 0 picks a free port).
     print(f"spokefs {role} listening on {url}", flush=True)
     if on_ready is not None:
