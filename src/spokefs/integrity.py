@@ -2,9 +2,16 @@
 
 A file version is cut into fixed-size blocks (the dataset's ``block_size``; the last block is
 short; an empty file has none). Each block has an xxh3-128 digest, computed by the hub when it
-snapshots the file, sent with every single-block read, stored beside every cached block and
-checked again on every read from the cache. The version id is a digest of the size, the block
-size and the block digests, so equal content has one id and any change gives a new one.
+snapshots the file and sent with the block (in its batch-read frame, or as
+``X-Spokefs-Block-Digest`` on a read of exactly one whole block). A spoke checks every block it
+fetches from upstream against that digest before it serves or keeps it, and keeps the digest
+beside the cached block. Reads from the cache are checked against finer digests the spoke
+makes when the block arrives, an xxh3-64 of each 256 KiB chunk (``spokefs.cache.store``):
+every read of a cached block checks the chunks it touches, on the reader's own copy of the
+bytes (a spoke's read of 1 MiB or more: on a copy read in a thread, then sent with sendfile
+from the same region, held meanwhile). The version id is a digest (blake2b-128) of the size,
+the block size and the block digests, so equal content has one id and any change gives a new
+one.
 
 xxh3 guards against accidents (bit rot, torn writes, a file changed under the hub), not against
 an adversary; TLS and authentication are the answer to that.

@@ -5,7 +5,9 @@ boundary, so a block costs no file of its own: no create, rename or unlink per b
 directory of a few thousand files for a multi-terabyte cache. A read is one ``pread`` into
 the reader's own buffer, checked there: what was checked is exactly what is served, whatever
 happens to the file meanwhile (a mapping would crash the process with SIGBUS on a file cut
-short, and a check in place could race a write).
+short, and a check in place could race a write). The exception is a spoke's read of 1 MiB or
+more: checked on a copy, then sent with sendfile from the same region, held (not freed) until
+sent (``BlockStore.hold``).
 
 Space comes back without moving anything: an evicted block's bytes are freed at once by
 punching a hole (``fallocate(PUNCH_HOLE)``), and a segment is unlinked when its last block

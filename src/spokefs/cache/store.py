@@ -28,7 +28,9 @@ digest first. Each block keeps the upstream's xxh3-128 digest and an xxh3-64 dig
 for a 128 KiB read, 0.1 s per GiB of large reads). So a row whose bytes never reached the
 disk, a torn write, bit rot or a stray write is caught on the read, the block is dropped and
 fetched again, and never served. The check runs on the reader's own copy of the bytes (one
-``pread``), so what was checked is what is served. At open, regions that no row points to
+``pread``), so what was checked is what is served; a spoke's read of 1 MiB or more is checked
+on a copy in a thread and then sent with sendfile from the same region, which ``hold`` keeps
+from being freed (or evicted) until the send is done. At open, regions that no row points to
 (a crash between write and commit) are freed, and rows whose segment is gone are dropped.
 
 ``capacity`` is a hard bound on the disk bytes of resident plus reserved blocks (each rounded

@@ -3,9 +3,10 @@
 The hub's state directory holds an SQLite database and the encoded manifests:
 
 - ``files``: what the last scan found per path, with the stat identity it was hashed under
-  (inode, size, mtime, ctime) and its block digests. A rescan re-reads only files whose identity
-  changed, so snapshotting a mostly unchanged tree of 100,000 files is a walk and some stats.
-  The same table answers "which file holds version V" when a reader asks for V's bytes.
+  (device, inode, size, mtime, ctime) and its block digests. A rescan re-reads only files
+  whose identity changed, so snapshotting a mostly unchanged tree of 100,000 files is a walk
+  and some stats. The same table answers "which file holds version V" when a reader asks for
+  V's bytes.
 - ``snapshots``: the ordered list of snapshot ids; each id is a digest of the manifest's
   content, so an unchanged tree yields the same id and no new snapshot.
 

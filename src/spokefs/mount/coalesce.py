@@ -2,10 +2,11 @@
 
 Why it exists (measured, docs/mount.md): with readahead raised, the kernel streams a file as
 1 MiB requests. Sent one for one, each becomes an HTTP request whose fixed cost (request
-handling, and the spoke checking the whole 4 MiB block it comes from) is paid four times per
-block. So a streaming read fetches the whole aligned block once, serves the kernel's requests
-from it, and starts the next block before it is asked for. A random read (not where the last
-read of that file ended) fetches exactly what was asked: a whole block would only add latency.
+handling, and, when this was measured, the spoke checking the whole 4 MiB block it comes
+from; it now checks only the 256 KiB chunks a range touches) is paid four times per block.
+So a streaming read fetches the whole aligned block once, serves the kernel's requests from
+it, and starts the next block before it is asked for. A random read (not where the last read
+of that file ended) fetches exactly what was asked: a whole block would only add latency.
 
 Memory is bounded: at most ``capacity`` bytes of blocks, least recently used dropped first, and
 a block is dropped as soon as every byte of it has been served (the kernel's page cache holds

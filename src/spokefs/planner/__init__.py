@@ -22,22 +22,25 @@ What it does, per (dataset, job):
 4. An in-flight budget: at most ``max_inflight_bytes`` of prefetches are outstanding; demand
    fetches (priority 0) are never held back and jump ahead of queued prefetches.
 
-How the spoke service drives it::
+How the spoke service drives it (``spokefs.spoke.service`` and ``spokefs.spoke.prefetch``)::
 
-    planner = Planner(capacity=store.capacity, resident=store.policy, ...)
+    planner = Planner(capacity=store.capacity, resident=store,   # the BlockStore: ``key in``
+                      max_inflight_bytes=prefetch_inflight, readahead_max_bytes=readahead_max)
     planner.add_manifest(dataset, Manifest(paths, versions, sizes, block_size))
     act(planner.restore_working_set(saved))        # for each persisted set, at start
-    act(planner.handle(Read(...)))                 # every read, before serving it
+    act(planner.handle(Read(...)))                 # each block of a read, before it is sent;
+                                                   # reads other processes served, when reported
     act(planner.handle(FetchDone(key)))            # a fetched block is indexed and resident
     act(planner.handle(FetchFailed(key)))          # a fetch gave up or was cancelled
     act(planner.handle(OrderAnnounced(...)))       # a client posted its order for an epoch
     act(planner.handle(EpochBoundary(...)))        # a client said a new epoch starts
     act(planner.handle(JobEnded(...)))             # a client said it is done
-    act(planner.handle(CapacityChanged(bytes)))    # the cache was resized
+    act(planner.handle(CapacityChanged(bytes)))    # the cache was resized (the spoke's never is)
 
-where ``act`` carries out, in order: ``Pin``/``Unpin`` on the eviction policy, ``Fetch`` by
-priority with the bounded pool of range requests (priority 0 first; a Fetch of a key in flight
-raises its priority), ``Cancel`` (drop it if not started, then report ``FetchFailed``),
+where ``act`` carries out, in order: ``Pin``/``Unpin`` on the store (its eviction policy),
+``Fetch`` through the spoke's fetch queue (batch reads, priority 0 first; a Fetch of a key in
+flight raises its priority; a key already resident is answered ``FetchDone``), ``Cancel``
+(drop it if not started, then report ``FetchFailed``),
 ``SetFuture`` (``policy.extend_future(keys, stream)``, or ``set_future`` when not
 ``append``, where the policy has them) and ``WorkingSetLearned`` (persist
 ``working_set.to_json()`` under (dataset, job)). The service waits for the demand blocks

@@ -98,7 +98,8 @@ class JobEnded:
 
 @dataclass(frozen=True, slots=True)
 class CapacityChanged:
-    """The cache's capacity in bytes (sent once at start, and when it changes)."""
+    """The cache's capacity in bytes, when it changes from the ``capacity`` the planner was
+    built with (the spoke never sends it: its capacity is fixed; bench policy sends it at start)."""
 
     capacity: int
     now: float = 0.0

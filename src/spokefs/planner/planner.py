@@ -98,8 +98,9 @@ class Planner:
     - ``max_jobs``: announced orders, and learners, kept at once (job names are chosen by
       clients): one more order than this is refused; one more learner drops the learner
       that read least recently (learning is a hint, and is learnt again).
-    - ``resident``: a view of the cache's residency (``key in resident``; the store's eviction
-      policy will do). Without one the planner tracks ``FetchDone`` and ``Evicted``.
+    - ``resident``: a view of the cache's residency (``key in resident``; the spoke passes its
+      ``BlockStore``, an eviction policy will do too). Without one the planner tracks
+      ``FetchDone`` and ``Evicted``.
     - ``block_size``: for files not in a manifest.
     """
 

@@ -1,15 +1,17 @@
 """Eviction policies: which resident block leaves the cache next.
 
 Sans-I/O. A policy only tracks keys and sizes; the block store owns the bytes and the capacity.
-The store drives it like this::
+The store (``spokefs.cache.store.BlockStore``) drives it like this::
 
-    policy.insert(key, size)          # a block became resident (prefetch or demand fill)
-    policy.access(key)                # every read served from the block, including the read
-                                      # whose miss caused the fill, once it is resident
-    while store.full():
+    policy.insert(key, size)          # a block became resident (its write was indexed, or it
+                                      # was found in the index at open)
+    policy.access(key)                # every read served from the resident block (the read
+                                      # whose miss caused the fill is served from the fetched
+                                      # buffer: not an access; bench policy counts it)
+    while used + reserved > limit:    # room for a block about to be written (and at open)
         key = policy.victim()         # None: everything resident is pinned; do not admit
-        store.delete(key)
-        policy.remove(key)            # also after a purge or a failed checksum
+        policy.remove(key)            # the store drops the block; also after a purge or a
+                                      # failed check
 
 Rules every policy keeps (the parametrised suite in tests/test_policy.py checks them):
 
@@ -17,9 +19,11 @@ Rules every policy keeps (the parametrised suite in tests/test_policy.py checks 
   twice without a change in between returns the same key.
 - ``remove()`` of an unknown key is a no-op; remove never forgets a pin (a corrupt block that
   is fetched again is still pinned when it comes back).
-- Pins nest: every ``pin`` needs its own ``unpin``, because the planner (announced order) and
-  the store (a read in progress) pin independently. Pinning a non-resident key is remembered
-  for when it arrives; ``unpin`` of a key that is not pinned is a no-op.
+- Pins nest: every ``pin`` needs its own ``unpin``, because several pin independently: the
+  planner (announced orders, learned working sets), warm-ups (``spokefs warm --pin``), and the
+  store itself while a read of 1 MiB or more is sent from the block's region (``hold`` /
+  ``let_go``). Pinning a non-resident key is remembered for when it arrives; ``unpin`` of a
+  key that is not pinned is a no-op.
 - Pinned resident blocks sit outside the policy's ordering, so ``victim()`` stays O(1)
   amortised however many blocks are pinned; an unpinned block comes back as freshly used.
 
@@ -206,9 +210,9 @@ class S3FIFOPolicy(_PinnedBase):
     list surgery on hits (a hit bumps a 2-bit counter), its ghost set is bounded in bytes, and
     ``victim()`` can do its queue moves lazily and still answer the same key twice.
 
-    A new block enters the small queue; at eviction time a small-queue block read at least
-    twice (``promote_at``, counting the read that filled it) moves to main, others leave and
-    are remembered in the ghost set; a block that comes back while remembered goes straight to
+    A new block enters the small queue; at eviction time a small-queue block accessed at least
+    ``promote_at`` times (2) since it was inserted moves to main, others leave and are
+    remembered in the ghost set; a block that comes back while remembered goes straight to
     main. Main evicts blocks whose counter is 0, giving each reread block another lap.
 
     ``capacity`` (bytes) sizes the small queue (``small_ratio`` of it) and the ghost set (the
