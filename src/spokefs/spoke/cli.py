@@ -20,8 +20,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     serve = ssub.add_parser(
         "serve", help="serve the upstream's datasets through a local cache",
         description="Serve the same API as the hub. Hits come from local disk; misses are "
-        "fetched from the upstream with many range requests in flight, verified, kept and "
-        "served. The cache survives restarts and never exceeds --cache-size.")
+        "fetched from the upstream in batch reads, many in flight, verified, served and "
+        "kept. The cache survives restarts and never exceeds --cache-size.")
     serve.add_argument("--upstream", required=True, metavar="URL",
                        help="hub or spoke to read from, e.g. http://hub.example:8470")
     serve.add_argument("--cache-dir", required=True, type=Path, help="local cache folder")

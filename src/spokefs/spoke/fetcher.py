@@ -5,14 +5,14 @@ shared by everyone who asks while it is under way; asking again at a higher prio
 reader catching up with a prefetch) moves it up the queue. The queue (``FetchQueue``) groups
 waiting blocks into batch reads (``POST /v1/datasets/{ds}/blocks``) under the request limit
 and the link's prefetch window. Each frame of the response is received into a pooled buffer
-of its own, checked against the digest the upstream sent, handed to the readers
-waiting for it at once, and written to the store by its worker thread, all while later frames
-are still arriving.
+of its own, checked against the digest the upstream sent once the whole frame is in, then
+handed to the readers waiting for it and written to the store by its worker thread, all
+while later frames are still arriving.
 
 Failures: a connection that fails or goes silent gives back the blocks it did not deliver,
 which are retried with backoff until ``deadline`` seconds after their fetch began, then fail
 with ``UpstreamUnavailable``; a frame whose digest does not match is fetched again, three
-times at most (``IntegrityError``); an error frame (410, 404...) is that block's final answer.
+tries in all (then ``IntegrityError``); an error frame (410, 404...) is that block's final answer.
 """
 
 from __future__ import annotations

@@ -405,7 +405,8 @@ class SpokeRoutes:
         return {} if since is None else {"news": self.backend.news(ds, since)}
 
     async def counts(self, request: web.Request) -> web.Response:
-        """What a replica worker counted (hits, misses, served bytes, damaged blocks)."""
+        """What a replica worker counted since it last said (its served bytes; hits and
+        misses come with its reads and locates)."""
         doc = await _body(request)
         if len(doc.doc) > 64:
             raise BadRequest(f"counts name at most 64 counters, not {len(doc.doc)}")

@@ -1,7 +1,9 @@
 """The spoke: a read-through block cache in front of an upstream (a hub or another spoke).
 
 A read of [start, end) of a file version becomes block reads. A resident block's bytes are
-checked against their digests and sent from the segment file's mapping. A missing block is
+checked against their chunk digests and sent: a small range read into a buffer of its own
+and checked there, a range of 1 MiB or more checked in a thread and sent with sendfile from
+the same held region of the segment file. A missing block is
 fetched (``spoke.fetcher``: one fetch per block, many blocks per request, demand before
 prefetch), checked against the digest the upstream sent, handed to every reader waiting for
 it, and written to the store in the background. Blocks are keyed by (version, index), so a
@@ -413,8 +415,9 @@ class SpokeBackend:
         """Checked bytes [lo, hi) of a resident block (None: not resident, or damaged and
         dropped). A small range is read into a buffer of its own and checked there. A large
         one is checked in a thread (the checker's scratch buffer) and then sent by the kernel
-        from the same region of the segment file (sendfile: a copy through Python costs three
-        times the CPU); the block is held meanwhile, so nothing evicts or frees it."""
+        from the same region of the segment file (sendfile: no buffer of the read's size is
+        held while a slow client drains); the block is held meanwhile, so nothing evicts or
+        frees it."""
         if hi - lo < CHECK_IN_THREAD:
             return self.store.read(key, lo, hi)
         loc = self.store.hold(key)

@@ -1,7 +1,8 @@
-"""Async client for the wire protocol: what a spoke or a mount uses to talk to its upstream.
+"""Async metadata client for the wire protocol (aiohttp): dataset info, manifests, control
+requests, and a replica worker's requests to its primary. Block data goes through
+``spokefs.wire.http1.DataClient``, which receives bodies in place.
 
-Kept-alive connections in a pool sized for many range requests in flight (a 60 ms link is
-filled by parallelism, not by bigger requests). Errors are mapped at this boundary:
+Kept-alive connections in a pool. Errors are mapped at this boundary:
 ``Transient`` (connection refused or reset, timeouts, 5xx) may be retried; a ``SpokeError``
 (404, 410, 416, 400) is the upstream's final answer.
 

@@ -1,8 +1,8 @@
 """The training benchmark's figures, computed from a per-batch timeline (docs/benchmark.md).
 
-Sans-I/O: plain records in, numbers out; no clock, no files. Every definition follows
-/work/shared/DESIGN.md "Benchmark definitions"; where DESIGN leaves a choice, the choice is
-written next to the function and in docs/benchmark.md.
+Sans-I/O: plain records in, numbers out; no clock, no files. Every definition is the one in
+docs/benchmark.md ("Definitions"); where a choice had to be made, it is written next to the
+function and there.
 
 Time model: a run starts at t=0 (before any setup the scenario charges to the job, e.g. the
 staged copy). Batch i ends at ``t[i]``; its wall time is ``t[i] - t[i-1]`` (``t[-1] = 0``), which
@@ -104,13 +104,13 @@ def warmup(timeline: Sequence[Batch], window: int = WINDOW,
            threshold: float = STEADY_AU) -> tuple[int, bool]:
     """(warmup_batches, warmed_up).
 
-    DESIGN: "the index of the first batch after which the rolling AU over 20 batches never
+    Defined as "the index of the first batch after which the rolling AU over 20 batches never
     drops below 0.95 (0 when it never does)". Read here as: the smallest batch index b such
     that every 20-batch window starting at b or later has AU >= 0.95. With K slow batches
     followed by fast ones this is K (the cold batches), not K+19 as a trailing window would
     say. Edge cases:
     - warm from the start (no window below the threshold): (0, True);
-    - never warm (the last window is below the threshold): (0, False); DESIGN's "0 when it
+    - never warm (the last window is below the threshold): (0, False); the definition's "0 when it
       never does", so ``warmed_up`` is what tells it apart from warm-from-the-start;
     - a dip in the middle counts: warm-up ends after the last window that dips;
     - fewer batches than the window: one window over the whole run decides (0, True/False).

@@ -46,7 +46,7 @@ LINKS = ("wide", "narrow")
 ALL_SCENARIOS = ("local", "local_http", "remote_direct", "remote_spoke",
                  "remote_spoke_hints", "staged", "rclone", "fsspec_cache")
 PEERS = ("rclone", "fsspec_cache")
-# Goals from DESIGN.md / the issue: reported next to the figures, never tuned for.
+# Goals (docs/benchmark.md): reported next to the figures, never tuned for.
 GOAL_STEADY_RATIO = 0.99
 GOAL_WARMUP_BATCHES = 10
 GOAL_NARROW_VS_FLOOR = 1.05
