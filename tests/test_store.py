@@ -586,3 +586,13 @@ def test_saved_working_sets_are_capped_oldest_forgotten(tmp_path: Path, monkeypa
     h = Harness(tmp_path / "c")  # and on disk: a restart sees the same three
     assert [k for k, _ in h.store.kv_items("workingset:")] == kept
     h.close()
+
+
+def test_the_cache_folder_is_private_to_its_user(tmp_path: Path) -> None:
+    (tmp_path / "c").mkdir(mode=0o755)
+    h = Harness(tmp_path / "c")
+    h.put(("v" * 32, 0), block(1, 8 * KiB))
+    h.close()
+    assert (tmp_path / "c").stat().st_mode & 0o777 == 0o700
+    for seg in (tmp_path / "c" / "segments").iterdir():
+        assert seg.stat().st_mode & 0o077 == 0, seg

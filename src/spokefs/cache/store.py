@@ -299,6 +299,9 @@ class BlockStore:
         (``loop.call_soon_threadsafe``); without it, fn runs in the worker (tests)."""
         self._loop_call = call_in_loop
         self.root.mkdir(parents=True, exist_ok=True)
+        # Cached bytes are a copy of the data: readable by this service's user only (a mount
+        # on this host reads them only as that user, else it reads over HTTP).
+        os.chmod(self.root, 0o700)
         # First of all: nothing below (least of all dropping an index) happens in a folder
         # another process owns.
         self._lock_fd = lock_folder(self.root)
