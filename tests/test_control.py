@@ -327,3 +327,36 @@ def test_gzip_bomb_is_413_within_bounded_memory(hub_server, dataset: Path,
             assert_spoke_answers(s.url, dataset)
         grew = max(_vm(pid, "VmHWM"), _vm(pid, "VmRSS")) - rss  # the peak, not just now
         assert grew < 200 << 20, f"the spoke grew by {grew >> 20} MiB"
+
+
+def test_purge_named_files_and_folders_then_reads_refetch(hub_server, dataset: Path,
+                                                         tmp_path: Path) -> None:
+    from servers import spoke
+
+    def metric(base: str, name: str) -> float:
+        text = urllib3.request("GET", f"{base}/metrics").data.decode()
+        return sum(float(x.rsplit(" ", 1)[1]) for x in text.splitlines()
+                   if x.startswith(name) and not x.startswith("#"))
+
+    def resident(base: str, doc: dict) -> int:
+        r = urllib3.request("POST", f"{base}/v1/datasets/ds/residency", body=json.dumps(doc))
+        return json.loads(r.data)["resident_bytes"]
+
+    with spoke(hub_server.url, tmp_path / "pcache", "256MiB", "--no-prefetch") as s:
+        for p in sorted(dataset.rglob("*.jpg")):
+            n = p.relative_to(dataset).as_posix()
+            assert urllib3.request("GET", f"{s.url}/ds/{n}").status == 200
+        assert resident(s.url, {"prefix": "class1/"}) > 0
+        one = "class2/img0002.jpg"
+        run = subprocess.run([sys.executable, "-m", "spokefs.cli", "purge", f"{s.url}/ds",
+                              "class1", one], capture_output=True, text=True, timeout=60)
+        assert run.returncode == 0 and "freed" in run.stdout, run.stderr
+        assert resident(s.url, {"prefix": "class1/"}) == 0  # the folder's files
+        assert resident(s.url, {"paths": [one]}) == 0       # the named file
+        assert resident(s.url, {"prefix": "class2/"}) > 0   # its neighbours stay
+        before = metric(s.url, "spokefs_upstream_bytes_total")
+        assert urllib3.request("GET", f"{s.url}/ds/{one}").data == (dataset / one).read_bytes()
+        assert metric(s.url, "spokefs_upstream_bytes_total") > before  # fetched again
+        bad = urllib3.request("POST", f"{s.url}/v1/purge",
+                              body=json.dumps({"dataset": "ds", "paths": ["nope/x"]}))
+        assert bad.status == 400 and "neither a file nor a folder" in bad.data.decode()

@@ -34,8 +34,12 @@ def register(sub: argparse._SubParsersAction) -> None:
 
     purge = sub.add_parser("purge", help="drop cached blocks from a spoke",
                            description="Drop every cached block (of one dataset with URL "
-                           "http://spoke:port/<dataset>).")
+                           "http://spoke:port/<dataset>[@SNAPSHOT]; of named files and "
+                           "folders of it with PATH...). Needs an admin token where the "
+                           "spoke asks for tokens.")
     purge.add_argument("url", metavar="URL")
+    purge.add_argument("paths", nargs="*", metavar="PATH",
+                       help="files or folders of the dataset (default: all of it)")
     purge.set_defaults(func=_purge)
 
     ls = sub.add_parser("ls", help="list a folder of a dataset snapshot")
@@ -108,14 +112,24 @@ def _status(args: argparse.Namespace) -> int:
 def _purge(args: argparse.Namespace) -> int:
     from spokefs.client.sync import Client
     from spokefs.client.urls import parse_url
+    from spokefs.errors import ConfigError
 
     if "/" in args.url.split("://", 1)[-1].strip("/"):
         u = parse_url(args.url)
         base, ds = u.base, u.dataset
     else:
         base, ds = args.url.rstrip("/"), None
-    r = Client(base).post_json("/v1/purge", {"dataset": ds})
-    print(f"freed {format_size(r['freed_bytes'])}")
+    doc: dict[str, object] = {"dataset": ds}
+    if args.paths:
+        if ds is None:
+            raise ConfigError("purging PATHs needs a dataset in the URL "
+                              "(http://spoke:port/DATASET)")
+        doc["paths"] = args.paths
+        if u.snapshot not in (None, "latest"):
+            doc["snapshot"] = u.snapshot
+    r = Client(base).post_json("/v1/purge", doc)
+    what = f"{r['files']} files" if args.paths else (ds or "everything")
+    print(f"freed {format_size(r['freed_bytes'])} ({what})")
     return 0
 
 

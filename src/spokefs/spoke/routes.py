@@ -13,6 +13,7 @@ TypeError deep inside (a 500) or work that grows with a number the client picked
 
 from __future__ import annotations
 
+import bisect
 import json
 import zlib
 from typing import Any
@@ -231,6 +232,20 @@ def _job(request: web.Request) -> str:
     return job
 
 
+def _files_under(m: Manifest, path: str) -> range:
+    """The manifest indexes of a file, or of every file in a folder (paths are sorted)."""
+    path = path.strip("/")
+    i = m.index(path) if path else None
+    if i is not None:
+        return range(i, i + 1)
+    if path and not m.is_dir(path):
+        raise BadRequest(f"{path[:200]!r} is neither a file nor a folder of "
+                         f"{m.dataset}@{m.snapshot}")
+    prefix = f"{path}/" if path else ""
+    return range(bisect.bisect_left(m.paths, prefix),
+                 bisect.bisect_left(m.paths, prefix + "\U0010ffff"))
+
+
 def select_files(m: Manifest, doc: Fields) -> list[int]:
     """Manifest indexes named by ``paths`` (list), ``indexes`` (list) or ``prefix`` (folder)."""
     n = len(m)
@@ -417,9 +432,20 @@ class SpokeRoutes:
     async def purge(self, request: web.Request) -> web.Response:
         """``{}``: every block; ``{"dataset": ds}``: the dataset's; ``{"dataset": ds, "keep":
         ["latest", SNAPSHOT...]}``: the dataset's blocks of versions in none of those
-        snapshots (stale after a source change)."""
+        snapshots (stale after a source change); ``{"dataset": ds, "paths": [FILE or
+        FOLDER...], "snapshot"?: id}``: the blocks of those files (in that snapshot, or
+        latest)."""
         doc = await _body(request)
         ds = check_dataset_name(doc.raw("dataset")) if doc.has("dataset") else None
+        if doc.has("paths"):
+            if ds is None:
+                raise BadRequest('purging "paths" needs a "dataset"')
+            m = await self._manifest(ds, doc)
+            paths = doc.items("paths", str, "file or folder paths", MAX_LISTED) or []
+            versions = {m.versions[i] for p in paths for i in _files_under(m, p)}
+            freed = await self.backend.purge_versions(ds, versions)
+            return web.json_response({"dataset": ds, "files": len(versions),
+                                      "freed_bytes": freed})
         keep = doc.items("keep", str, 'snapshot ids or "latest"', MAX_KEEP)
         if keep is not None:
             if not keep:

@@ -760,6 +760,18 @@ class SpokeBackend:
         await asyncio.to_thread(self.store.worker.flush)
         return freed
 
+    async def purge_versions(self, name: str, versions: set[str]) -> int:
+        """Drop the cached blocks of these file versions (named files or folders, now)."""
+        keys = [k for k in self.store.purge_keys(name) if k[0] in versions]
+        freed = 0
+        for n, key in enumerate(keys):
+            freed += self.store.size_of(key)
+            self.store.drop(key, "purge")
+            if n % 2000 == 1999:
+                await asyncio.sleep(0)
+        await asyncio.to_thread(self.store.worker.flush)
+        return freed
+
     # -- operator view -----------------------------------------------------------------------
     async def status(self) -> dict[str, object]:
         await self.before_scrape()
