@@ -280,6 +280,14 @@ def _timed_read(http: urllib3.PoolManager, url: str, expect: int) -> float:
     return time.monotonic() - t
 
 
+# A read takes longer than this behind a fill that ignores the link (unpaced: ~2.4 s measured),
+# and less with pacing (~0.3 s, at most 0.39 s with two busy loops on 2 cores): room either
+# side for a loaded machine.
+SLOW_READ_S = 1.0
+
+
+# Real time: spoke, hub and `spokefs wan` are processes; the spoke measures the link as it is.
+@pytest.mark.timing
 @pytest.mark.parametrize("pacing", [True, False], ids=["paced", "unpaced"])
 def test_reader_does_not_wait_behind_a_fill_on_a_narrow_link(tmp_path: Path,
                                                              pacing: bool) -> None:
@@ -311,12 +319,13 @@ def test_reader_does_not_wait_behind_a_fill_on_a_narrow_link(tmp_path: Path,
         ctl.warm(prefix="", wait=True, progress=False, timeout=60)
         assert time.monotonic() - t < 30
     print(f"pacing={pacing}: reads took {[round(x, 3) for x in waits]} s")
-    # Paced: ~0.2 s (a round trip, a share of ~0.5 MB in flight, 100 KB at 4 MB/s). Unpaced:
-    # the fill holds 64 requests (6.4 MB) on the link and a read takes ~0.9 s or more.
-    if pacing:
-        assert sorted(waits)[1] < 0.5, waits
-    else:  # the first read always finds the fill on the link; later ones may find it done
-        assert max(waits) > 0.5, waits
+    # Paced: ~0.3 s (a round trip, a share of ~0.5 MB in flight, 100 KB at 4 MB/s). Unpaced:
+    # the fill holds 64 requests (6.4 MB) on the link and a read takes ~2.4 s.
+    # The first read always finds the fill on the link; unpaced, later ones find it done.
+    if pacing:  # every read, the first too (its median alone would pass unpaced)
+        assert max(waits) < SLOW_READ_S, waits
+    else:
+        assert max(waits) > SLOW_READ_S, waits
 
 
 if __name__ == "__main__":  # pragma: no cover
