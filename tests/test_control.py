@@ -360,3 +360,30 @@ def test_purge_named_files_and_folders_then_reads_refetch(hub_server, dataset: P
         bad = urllib3.request("POST", f"{s.url}/v1/purge",
                               body=json.dumps({"dataset": "ds", "paths": ["nope/x"]}))
         assert bad.status == 400 and "neither a file nor a folder" in bad.data.decode()
+
+
+def test_inventory_lists_what_the_spoke_holds(hub_server, dataset: Path, tmp_path: Path
+                                              ) -> None:
+    from servers import spoke
+    from spokefs.cache.inspect import blocks_on_disk
+
+    with spoke(hub_server.url, tmp_path / "icache", "256MiB", "--no-prefetch") as s:
+        names = ["class0/img0000.jpg", "class1/img0001.jpg"]
+        for n in names:
+            assert urllib3.request("GET", f"{s.url}/ds/{n}").status == 200
+        end = time.monotonic() + 10  # use times come from the index, committed in batches
+        while len(blocks_on_disk(tmp_path / "icache")) < 2 and time.monotonic() < end:
+            time.sleep(0.02)
+        run = subprocess.run([sys.executable, "-m", "spokefs.cli", "inventory", s.url,
+                              "--json"], capture_output=True, text=True, timeout=60)
+        assert run.returncode == 0, run.stderr
+        (d,) = json.loads(run.stdout)["datasets"]
+        size = sum((dataset / n).stat().st_size for n in names)
+        assert d["dataset"] == "ds" and (d["blocks"], d["bytes"]) == (2, size), d
+        assert d["least_recent_use"] <= d["most_recent_use"] <= time.time()
+        (snap,) = d["snapshots"]
+        empty = sum(1 for p in dataset.rglob("*") if p.is_file() and not p.stat().st_size)
+        assert snap["resident_files"] == 2 + empty and snap["resident_bytes"] == size
+        run = subprocess.run([sys.executable, "-m", "spokefs.cli", "inventory", s.url],
+                             capture_output=True, text=True, timeout=60)
+        assert run.returncode == 0 and f"{2 + empty}/" in run.stdout and "ds" in run.stdout

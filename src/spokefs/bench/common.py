@@ -8,6 +8,8 @@ import platform
 from pathlib import Path
 from typing import Any
 
+from spokefs.tables import table  # noqa: F401  (the benchmarks' import)
+
 
 def machine() -> dict[str, Any]:
     mem = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
@@ -28,18 +30,3 @@ def percentile(values: list[float], q: float) -> float:
     s = sorted(values)
     k = min(len(s) - 1, max(0, round(q / 100 * (len(s) - 1))))
     return s[k]
-
-
-def table(rows: list[list[Any]], header: list[str]) -> str:
-    cells = [[str(c) for c in header]] + [[_fmt(c) for c in r] for r in rows]
-    widths = [max(len(r[i]) for r in cells) for i in range(len(header))]
-    lines = ["  ".join(c.rjust(w) if i else c.ljust(w) for i, (c, w) in
-                       enumerate(zip(r, widths, strict=True))) for r in cells]
-    lines.insert(1, "  ".join("-" * w for w in widths))
-    return "\n".join(lines)
-
-
-def _fmt(v: Any) -> str:
-    if isinstance(v, float):
-        return f"{v:.3g}" if abs(v) < 1000 else f"{v:.0f}"
-    return str(v)

@@ -791,6 +791,27 @@ class BlockStore:
     def disk_bytes(self) -> int:
         return self._segs.disk_bytes()
 
+    def by_dataset(self) -> dict[str, list[int]]:
+        """dataset -> [blocks, bytes] of what is resident (call on the owner's loop)."""
+        out: dict[str, list[int]] = {}
+        for loc in self._records.values():
+            row = out.setdefault(loc.dataset, [0, 0])
+            row[0] += 1
+            row[1] += loc.size
+        return out
+
+    def use_times(self) -> dict[str, tuple[float, float]]:
+        """dataset -> (least, most recent use) of its committed blocks, from the index (a
+        connection of its own: safe in a thread; the index lags up to 50 ms and access times
+        up to the last flush)."""
+        db = connect(self.root / "index.sqlite", self.busy_timeout)
+        try:
+            rows = db.execute("SELECT dataset, MIN(last_access), MAX(last_access) FROM blocks "
+                              "GROUP BY dataset").fetchall()
+        finally:
+            db.close()
+        return {str(ds): (float(lo), float(hi)) for ds, lo, hi in rows}
+
     def stats(self) -> dict[str, object]:
         return {"dir": str(self.root.resolve()), "id": self.instance,
                 "chunk_size": self.chunk_size, "blocks": len(self._records),

@@ -1,4 +1,4 @@
-"""Client commands: ``warm``, ``status``, ``purge``, ``ls``, ``cat``."""
+"""Client commands: ``warm``, ``status``, ``purge``, ``inventory``, ``ls``, ``cat``."""
 
 from __future__ import annotations
 
@@ -42,6 +42,14 @@ def register(sub: argparse._SubParsersAction) -> None:
                        help="files or folders of the dataset (default: all of it)")
     purge.set_defaults(func=_purge)
 
+    inv = sub.add_parser("inventory", help="what a spoke holds, per dataset and snapshot",
+                         description="Per dataset: resident blocks and bytes, least and most "
+                         "recent use; per snapshot the spoke keeps: resident files and bytes. "
+                         "Needs an admin token where the spoke asks for tokens.")
+    inv.add_argument("url", metavar="URL", help="http://spoke:port")
+    inv.add_argument("--json", action="store_true", help="print raw JSON")
+    inv.set_defaults(func=_inventory)
+
     ls = sub.add_parser("ls", help="list a folder of a dataset snapshot")
     ls.add_argument("url", metavar="URL")
     ls.set_defaults(func=_ls)
@@ -74,6 +82,36 @@ def _warm(args: argparse.Namespace) -> int:
     else:
         print(f"warming {r['files']} files ({format_size(r['bytes'])}), "
               f"{r['blocks_to_fetch']} blocks to fetch; `spokefs warm --wait` to follow")
+    return 0
+
+
+def _inventory(args: argparse.Namespace) -> int:
+    import time
+
+    from spokefs.client.sync import Client
+    from spokefs.tables import table
+
+    doc = Client(args.url.rstrip("/")).get_json("/v1/inventory")
+    if args.json:
+        print(json.dumps(doc, indent=2))
+        return 0
+
+    def ago(t: float | None) -> str:
+        return "-" if t is None else f"{max(0, time.time() - t) / 3600:.1f} h ago"
+
+    rows = []
+    for d in doc["datasets"]:
+        rows.append([d["dataset"], "(all)", "", format_size(d["bytes"]), d["blocks"],
+                     ago(d["least_recent_use"]), ago(d["most_recent_use"])])
+        for s in d["snapshots"]:
+            if "error" in s:
+                rows.append(["", s["snapshot"], s["error"][:60], "", "", "", ""])
+                continue
+            rows.append(["", s["snapshot"], f"{s['resident_files']}/{s['files']}",
+                         f"{format_size(s['resident_bytes'])} of {format_size(s['bytes'])}",
+                         "", "", ""])
+    print(table(rows, ["dataset", "snapshot", "files", "bytes", "blocks", "least recent use",
+                       "most recent use"]) if rows else "nothing cached")
     return 0
 
 

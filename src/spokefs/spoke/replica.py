@@ -58,6 +58,7 @@ PROXIED = [              # the primary's own routes: a replica forwards them as 
     ("DELETE", "/v1/datasets/{ds}/jobs/{job}"),
     ("POST", "/v1/datasets/{ds}/warm"),
     ("POST", "/v1/datasets/{ds}/unpin"),
+    ("GET", "/v1/inventory"),
     ("POST", "/v1/datasets/{ds}/residency"),
     ("POST", "/v1/purge"),
     ("POST", "/v1/datasets/{ds}/locate"),

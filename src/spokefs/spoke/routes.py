@@ -300,6 +300,7 @@ class SpokeRoutes:
             web.delete("/v1/datasets/{ds}/jobs/{job}", self.end_job),
             web.post("/v1/datasets/{ds}/warm", self.warm),
             web.post("/v1/datasets/{ds}/unpin", self.unpin),
+            web.get("/v1/inventory", self.inventory),
             web.post("/v1/datasets/{ds}/residency", self.residency),
             web.post("/v1/purge", self.purge),
             web.post("/v1/datasets/{ds}/locate", self.locate),
@@ -346,6 +347,10 @@ class SpokeRoutes:
         files = select_files(m, doc)
         plan = self.backend.warm(m, files, pin=pin)
         return web.json_response({"dataset": ds, "snapshot": m.snapshot, **plan}, status=202)
+
+    async def inventory(self, request: web.Request) -> web.Response:
+        """What the spoke holds: per dataset and snapshot (``SpokeBackend.inventory``)."""
+        return web.json_response({"datasets": await self.backend.inventory()})
 
     async def unpin(self, request: web.Request) -> web.Response:
         """Release warm-up pins of the selected files (same selection as ``warm``)."""

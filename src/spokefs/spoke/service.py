@@ -772,6 +772,33 @@ class SpokeBackend:
         await asyncio.to_thread(self.store.worker.flush)
         return freed
 
+    async def inventory(self) -> list[dict[str, object]]:
+        """What this spoke holds, per dataset and per snapshot it keeps a manifest of:
+        resident files and bytes, and the least and most recent use of its blocks."""
+        counts = self.store.by_dataset()
+        times = await asyncio.to_thread(self.store.use_times)
+        folder = self.store.root / "manifests"
+        out: list[dict[str, object]] = []
+        for ds in sorted(set(counts) | {p.name for p in folder.glob("*") if p.is_dir()}):
+            blocks, nbytes = counts.get(ds, [0, 0])
+            used = times.get(ds)
+            snaps = []
+            for path in sorted((folder / ds).glob("*.json.gz")):
+                snap = path.name.removesuffix(".json.gz")
+                try:
+                    m = await self.manifest(ds, snap)
+                except SpokeError as exc:  # a manifest it can no longer use: say so
+                    snaps.append({"snapshot": snap, "error": str(exc)})
+                    continue
+                r = await self.residency(m, list(range(len(m))))
+                snaps.append({"snapshot": snap, "files": r["files"], "bytes": r["bytes"],
+                              "resident_files": r["resident_files"],
+                              "resident_bytes": r["resident_bytes"]})
+            out.append({"dataset": ds, "blocks": blocks, "bytes": nbytes,
+                        "least_recent_use": used[0] if used else None,
+                        "most_recent_use": used[1] if used else None, "snapshots": snaps})
+        return out
+
     # -- operator view -----------------------------------------------------------------------
     async def status(self) -> dict[str, object]:
         await self.before_scrape()

@@ -474,7 +474,7 @@ def _html_page(title: str, items: str, headers: dict[str, str] | None = None) ->
 ADMIN_ROUTES = frozenset({
     ("POST", "/v1/purge"), ("POST", "/v1/datasets/{ds}/warm"),
     ("POST", "/v1/datasets/{ds}/unpin"), ("POST", "/v1/datasets/{ds}/snapshots"),
-    ("POST", "/v1/datasets/{ds}/residency"),
+    ("POST", "/v1/datasets/{ds}/residency"), ("GET", "/v1/inventory"),
 })
 # A job's order, epochs and end belong to the token that announced it (or an admin).
 JOB_ROUTES = frozenset({
