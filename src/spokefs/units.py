@@ -13,7 +13,8 @@ _SIZE_UNITS = {
     "ki": 1024, "kib": 1024, "mi": 1024**2, "mib": 1024**2, "gi": 1024**3, "gib": 1024**3,
     "ti": 1024**4, "tib": 1024**4,
 }
-_TIME_UNITS = {"": 1.0, "s": 1.0, "ms": 1e-3, "us": 1e-6, "m": 60.0, "min": 60.0, "h": 3600.0}
+_TIME_UNITS = {"": 1.0, "s": 1.0, "ms": 1e-3, "us": 1e-6, "m": 60.0, "min": 60.0, "h": 3600.0,
+               "d": 86400.0}
 _NUM = re.compile(r"^\s*([0-9]*\.?[0-9]+(?:e[+-]?\d+)?)\s*([a-z]*)\s*$", re.IGNORECASE)
 
 
@@ -45,7 +46,7 @@ def parse_duration(text: str | float) -> float:
     m = _NUM.match(text)
     unit = m.group(2).lower() if m else None
     if not m or unit not in _TIME_UNITS:
-        raise ConfigError(f"not a duration: {text!r} (try 60ms, 30s, 5m)")
+        raise ConfigError(f"not a duration: {text!r} (try 60ms, 30s, 5m, 2h, 7d)")
     return float(m.group(1)) * _TIME_UNITS[unit]
 
 

@@ -177,6 +177,7 @@ class Loc:
     digest: bytes     # xxh3-128 of the whole block, as the upstream sent it
     chunks: bytes     # xxh3-64 of each chunk_size piece
     dataset: str
+    stored: float = 0.0  # when it was written (time.time()): what a time-to-live counts from
 
 
 def read_loc(loc: Loc, lo: int, hi: int, chunk: int = CHUNK,
@@ -276,6 +277,10 @@ class BlockStore:
         self.reserved = 0      # aligned bytes of blocks being fetched or written
         self.writable = True   # False after a write failed (disk full, read-only): pass-through
         self._records: dict[BlockKey, Loc] = {}
+        self.dataset_bytes: dict[str, int] = {}  # exact bytes resident, per dataset
+        self.dataset_reserved: dict[str, int] = {}  # exact bytes being written, per dataset
+        # Whether a block of (dataset, size) may be kept (per-dataset policies; None: all).
+        self.admit: Callable[[str, int], bool] | None = None
         self._segs = SegmentFiles(root / "segments", direct=direct_io)
         self._worker: StoreWorker | None = None
         self._loop_call: Callable[[Callable[[], None]], None] | None = None
@@ -324,7 +329,8 @@ class BlockStore:
             db = self._open_db()
             try:
                 rows = db.execute("SELECT version, idx, seg, off, size, digest, chunks, "
-                                  "dataset FROM blocks ORDER BY last_access").fetchall()
+                                  "dataset, COALESCE(stored, last_access, 0) FROM blocks "
+                                  "ORDER BY last_access").fetchall()
                 self._sizes = {str(v): int(s) for v, s in db.execute(
                     "SELECT version, size FROM objects")}
                 self._kv = {str(k): str(v) for k, v in db.execute("SELECT key, value FROM kv")}
@@ -381,10 +387,15 @@ class BlockStore:
                     db.executescript("CREATE TABLE IF NOT EXISTS blocks (version TEXT, "
                                      "idx INTEGER, seg INTEGER, off INTEGER, size INTEGER, "
                                      "digest BLOB, chunks BLOB, dataset TEXT, "
-                                     "last_access REAL, PRIMARY KEY (version, idx))")
+                                     "last_access REAL, stored REAL, "
+                                     "PRIMARY KEY (version, idx))")
                     for old in ("blocks", "tmp"):
                         shutil.rmtree(self.root / old, ignore_errors=True)
                 db.execute("INSERT OR REPLACE INTO kv VALUES ('store_format', ?)", (FORMAT,))
+            if "stored" not in {r[1] for r in db.execute("PRAGMA table_info(blocks)")}:
+                # Rows from before write times were kept: their last use stands in (it can
+                # only be later, so a time-to-live never runs shorter than set).
+                db.execute("ALTER TABLE blocks ADD COLUMN stored REAL")
         except sqlite3.Error:
             db.close()
             raise
@@ -394,7 +405,7 @@ class BlockStore:
         files = self._segs.existing()
         live: dict[int, list[tuple[int, int]]] = {}
         dropped = []
-        for version, idx, seg_id, off, size, digest, chunks, dataset in rows:
+        for version, idx, seg_id, off, size, digest, chunks, dataset, stored in rows:
             path = files.get(seg_id)
             seg = self._segs.segments.get(seg_id)
             if seg is None and path is not None:
@@ -408,7 +419,8 @@ class BlockStore:
                 dropped.append((version, idx))
                 continue
             key = (version, idx)
-            self._records[key] = Loc(seg, off, size, digest, chunks, dataset)
+            self._records[key] = Loc(seg, off, size, digest, chunks, dataset, float(stored))
+            self.dataset_bytes[dataset] = self.dataset_bytes.get(dataset, 0) + size
             seg.live += 1
             seg.live_bytes += aligned(size)
             self.used += aligned(size)
@@ -520,6 +532,8 @@ class BlockStore:
         need = aligned(size)
         if key in self._records or not self.writable or need > self.capacity:
             return None
+        if self.admit is not None and not self.admit(dataset, size):
+            return None  # the dataset's policy keeps it out (served, not kept)
         if not self._evict_to(self.capacity - need):
             return None
         prev = self._segs.current
@@ -531,6 +545,7 @@ class BlockStore:
         if prev is not None and prev is not seg:
             self._maybe_remove(prev)
         self.reserved += need
+        self.dataset_reserved[dataset] = self.dataset_reserved.get(dataset, 0) + size
         self._pending[seg.id] = self._pending.get(seg.id, 0) + 1
         return Reservation(key, size, dataset, seg, offset)
 
@@ -615,6 +630,11 @@ class BlockStore:
 
     def _release(self, res: Reservation) -> None:
         self.reserved -= aligned(res.size)
+        left_ds = self.dataset_reserved.get(res.dataset, 0) - res.size
+        if left_ds > 0:
+            self.dataset_reserved[res.dataset] = left_ds
+        else:
+            self.dataset_reserved.pop(res.dataset, None)
         left = self._pending.get(res.seg.id, 1) - 1
         if left:
             self._pending[res.seg.id] = left
@@ -628,7 +648,9 @@ class BlockStore:
             self.worker.submit(lambda: self._segs.punch(res.seg, res.offset, size))
             self._maybe_remove(res.seg)
             return key in self._records
-        loc = Loc(res.seg, res.offset, size, digest, res.chunks, res.dataset)
+        now = time.time()
+        loc = Loc(res.seg, res.offset, size, digest, res.chunks, res.dataset, now)
+        self.dataset_bytes[res.dataset] = self.dataset_bytes.get(res.dataset, 0) + size
         self._records[key] = loc
         res.seg.live += 1
         res.seg.live_bytes += aligned(size)
@@ -636,7 +658,7 @@ class BlockStore:
         self.data_bytes += size
         self.policy.insert(key, size)
         self.worker.row(INSERT_BLOCK, (key[0], key[1], res.seg.id, res.offset, size, digest,
-                                       res.chunks, res.dataset, time.time()))
+                                       res.chunks, res.dataset, now, now))
         for fn in self.events.changed:
             fn(key, loc)
         return True
@@ -679,6 +701,11 @@ class BlockStore:
     def _remove(self, key: BlockKey) -> None:
         loc = self._records.pop(key)
         self.policy.remove(key)
+        left = self.dataset_bytes.get(loc.dataset, 0) - loc.size
+        if left > 0:
+            self.dataset_bytes[loc.dataset] = left
+        else:
+            self.dataset_bytes.pop(loc.dataset, None)
         self.used -= aligned(loc.size)
         self.data_bytes -= loc.size
         seg = loc.seg

@@ -27,12 +27,13 @@ log = logging.getLogger(__name__)
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS blocks (
     version TEXT, idx INTEGER, seg INTEGER, off INTEGER, size INTEGER, digest BLOB,
-    chunks BLOB, dataset TEXT, last_access REAL, PRIMARY KEY (version, idx));
+    chunks BLOB, dataset TEXT, last_access REAL, stored REAL, PRIMARY KEY (version, idx));
 CREATE TABLE IF NOT EXISTS objects (version TEXT PRIMARY KEY, size INTEGER);
 CREATE TABLE IF NOT EXISTS kv (key TEXT PRIMARY KEY, value TEXT);
 """
 
-INSERT_BLOCK = "INSERT OR REPLACE INTO blocks VALUES (?,?,?,?,?,?,?,?,?)"
+INSERT_BLOCK = ("INSERT OR REPLACE INTO blocks (version, idx, seg, off, size, digest, chunks, "
+                "dataset, last_access, stored) VALUES (?,?,?,?,?,?,?,?,?,?)")
 DELETE_BLOCK = "DELETE FROM blocks WHERE version=? AND idx=?"
 TOUCH_BLOCK = "UPDATE blocks SET last_access=? WHERE version=? AND idx=?"
 SET_OBJECT = "INSERT OR REPLACE INTO objects VALUES (?,?)"

@@ -9,12 +9,13 @@ from aiohttp import web
 from spokefs.spoke.routes import SpokeRoutes
 from spokefs.spoke.service import SpokeBackend, SpokeConfig
 from spokefs.wire.run import serve_forever
-from spokefs.wire.server import build_app
+from spokefs.wire.server import RELOAD_KEY, build_app
 
 
 def build_spoke_app(backend: SpokeBackend) -> web.Application:
     auth = backend.config.auth
     app = build_app(backend, SpokeRoutes(backend).routes(), auth=Path(auth) if auth else None)
+    app[RELOAD_KEY] = [backend.reload_dataset_rules]
 
     async def lifecycle(app: web.Application):
         await backend.start()

@@ -64,6 +64,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     serve.add_argument("--upstream-token-file", type=Path, metavar="FILE",
                        help="this spoke's own token for its upstream (its first line); a "
                        "spoke never forwards a client's token")
+    serve.add_argument("--dataset-config", type=Path, metavar="FILE",
+                       help="per-dataset rules (TOML): cache = \"deny\", ttl, max_share; "
+                       "re-read when it changes and on SIGHUP (docs/security.md)")
     serve.add_argument("--pin-ttl", type=parse_duration, default=24 * 3600.0,
                        metavar="DURATION", help="how long a warm-up's pins hold (default "
                        "24h; warm again to renew); warm-ups may pin at most 80%% of the cache")
@@ -92,8 +95,14 @@ def _serve(args: argparse.Namespace) -> int:
                          pacing=not args.no_pacing, write_io=args.write_io,
                          read_window=args.read_window, pin_ttl=args.pin_ttl,
                          auth=str(args.auth) if args.auth else None,
+                         audit_log=args.audit_log,
                          upstream_token_file=(str(args.upstream_token_file)
                                               if args.upstream_token_file else None))
+    if args.dataset_config is not None:
+        from spokefs.spoke.datasets import DatasetConfig
+
+        DatasetConfig(args.dataset_config)  # a bad file stops the spoke before it starts
+        config.dataset_config = str(args.dataset_config.absolute())
     tls = tls_paths(args)
     if tls is not None:
         from spokefs.wire.tls import server_context

@@ -49,6 +49,7 @@ from spokefs.manifest import Manifest, is_snapshot_id
 from spokefs.planner import Planner
 from spokefs.policy import POLICIES, BlockKey, EvictionPolicy, make_policy
 from spokefs.retry import backoff_delays
+from spokefs.spoke.datasets import DatasetConfig
 from spokefs.spoke.fetcher import Block, Fetcher
 from spokefs.spoke.metrics import SpokeMetrics
 from spokefs.spoke.prefetch import PrefetchDriver
@@ -93,6 +94,7 @@ class SpokeConfig:
     pin_share: float = 0.8          # most of the capacity warm-ups may pin at once
     auth: str | None = None         # token file clients must present a token of (wire.auth)
     upstream_token_file: str | None = None  # this spoke's own token for its upstream
+    dataset_config: str | None = None  # per-dataset residency and retention (spoke.datasets)
     tls_cert: str | None = None     # serve https (with tls_key)
     tls_key: str | None = None
 
@@ -158,6 +160,10 @@ class SpokeBackend:
         self._telling: set[tuple[str, str]] = set()
         self._sizes: dict[str, int] = {}  # version -> size, in front of the index
         self._just_fetched: set[BlockKey] = set()  # fetched by object_size for a waiting read
+        # Per-dataset rules: cache deny, time-to-live, share of the cache (spoke.datasets).
+        self.dataset_rules = DatasetConfig(
+            Path(config.dataset_config) if config.dataset_config else None)
+        self.store.admit = self._admit
         # Blocks pinned by warm-ups: key -> (bytes, when the pin lapses); bounded by pin_share.
         self._warm_pins: dict[BlockKey, tuple[int, float]] = {}
         self.warm_pinned_bytes = 0
@@ -203,6 +209,8 @@ class SpokeBackend:
             self.store.flush_access_times()
             self.store.retry_writable()
             self._expire_warm_pins(time.monotonic())
+            self.dataset_rules.reload_if_changed()
+            await self._enforce_dataset_rules()
 
     # -- metadata ----------------------------------------------------------------------------
     async def _retrying(self, what: str, fn: Any, *args: Any) -> Any:
@@ -411,6 +419,44 @@ class SpokeBackend:
             block = await self._wait_fetch(fut, f"block {i} of {version} ({name})")
             yield await self._fetched(key, block, lo, hi)
 
+    # -- per-dataset rules ---------------------------------------------------------------------
+    def _admit(self, dataset: str, size: int) -> bool:
+        """Whether a fetched block of ``dataset`` may be kept (else it is served only)."""
+        rules = self.dataset_rules.get(dataset)
+        if not rules.cache:
+            return False
+        if rules.max_share is not None:
+            limit = rules.max_share * self.store.capacity
+            held = (self.store.dataset_bytes.get(dataset, 0)
+                    + self.store.dataset_reserved.get(dataset, 0))  # being written counts
+            return held + size <= limit
+        return True
+
+    def _expired(self, key: BlockKey) -> bool:
+        """A resident block its dataset's rules no longer let be served (past its time to
+        live, or caching denied since): dropped now, so it is fetched again."""
+        loc = self.store.get(key)
+        if loc is None:
+            return False
+        rules = self.dataset_rules.get(loc.dataset)
+        if rules.cache and (rules.ttl is None or time.time() - loc.stored <= rules.ttl):
+            return False
+        self.store.drop(key, "ttl" if rules.cache else "cache denied")
+        return True
+
+    async def _enforce_dataset_rules(self) -> None:
+        """Drop every block past its time to live or of a dataset now denied (so a same-host
+        reader of the cache files, which does not ask, is held to the rules within a pass)."""
+        if not self.dataset_rules.any_ttl_or_deny:
+            return
+        for n, key in enumerate(list(self.store.keys())):
+            self._expired(key)
+            if n % 20_000 == 19_999:
+                await asyncio.sleep(0)
+
+    def reload_dataset_rules(self) -> None:
+        self.dataset_rules.reload()
+
     async def _resident(self, key: BlockKey, lo: int, hi: int) -> Segment | None:
         """Checked bytes [lo, hi) of a resident block (None: not resident, or damaged and
         dropped). A small range is read into a buffer of its own and checked there. A large
@@ -418,6 +464,8 @@ class SpokeBackend:
         from the same region of the segment file (sendfile: no buffer of the read's size is
         held while a slow client drains); the block is held meanwhile, so nothing evicts or
         frees it."""
+        if self._expired(key):
+            return None
         if hi - lo < CHECK_IN_THREAD:
             return self.store.read(key, lo, hi)
         loc = self.store.hold(key)
@@ -536,6 +584,8 @@ class SpokeBackend:
         part of what the spoke does)."""
         if ctx is not None and span is not None and self.prefetch is not None and keys:
             self._tell_planner(name, keys[0][0], span[0], span[1], ctx)
+        for key in keys:
+            self._expired(key)  # what the rules no longer allow is not located, but fetched
         waits: dict[BlockKey, asyncio.Future[Block]] = {}
         if fetch:
             waits = {k: self.fetcher.want(name, k, DEMAND) for k in keys
@@ -810,6 +860,8 @@ class SpokeBackend:
             "upstream_error": self.fetcher.last_error or self._last_upstream_error,
             "uptime_s": round(time.time() - self.started, 1),
             "cache": {**self.store.stats(), "warm_pinned_bytes": self.warm_pinned_bytes},
+            "datasets": {**self.dataset_rules.describe(),
+                         "resident_bytes": dict(sorted(self.store.dataset_bytes.items()))},
             "hits": hits, "misses": misses,
             "hit_ratio": hits / (hits + misses) if hits + misses else None,
             "inflight": q.active, "queued": q.queued,

@@ -15,7 +15,7 @@ from pathlib import Path
 
 from aiohttp import web
 
-from spokefs.wire.server import AUTH_KEY
+from spokefs.wire.server import AUTH_KEY, RELOAD_KEY
 from spokefs.wire.tls import server_context
 
 # A connection that has not sent a whole request within this many seconds (a slow sender of
@@ -64,7 +64,8 @@ class _Runner(web.AppRunner):
 
 
 def _no_reload() -> None:
-    print("SIGHUP: nothing to reload (no --auth)", file=sys.stderr, flush=True)
+    print("SIGHUP: nothing to read again (no --auth, no --dataset-config)", file=sys.stderr,
+          flush=True)
 
 
 def tune_for_serving() -> None:
@@ -126,8 +127,15 @@ async def serve_forever(app: web.Application, host: str, port: int, role: str,
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
     tokens = app.get(AUTH_KEY)
-    # SIGHUP reads the token file again (it is also re-read when it changes); never a stop.
-    loop.add_signal_handler(signal.SIGHUP, tokens.reload if tokens is not None else _no_reload)
+    reloads = [*([tokens.reload] if tokens is not None else []), *app.get(RELOAD_KEY, [])]
+
+    def on_hangup() -> None:  # files read again (they are also re-read when they change)
+        for fn in reloads:
+            fn()
+        if not reloads:
+            _no_reload()
+
+    loop.add_signal_handler(signal.SIGHUP, on_hangup)
     try:
         await stop.wait()
     finally:

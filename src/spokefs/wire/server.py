@@ -27,7 +27,8 @@ from urllib.parse import quote
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, Counter, generate_latest
 
-from spokefs.errors import BadRequest, NotFound, RangeNotSatisfiable, SpokeError
+from spokefs.audit import Audit
+from spokefs.errors import BadRequest, NotFound, RangeNotSatisfiable, SpokeError, Unauthorized
 from spokefs.manifest import FileEntry
 from spokefs.wire.auth import Forbidden, Token, TokenFile
 from spokefs.wire.backend import Backend, BlockPart, FileSegment, ReadContext, Segment
@@ -98,8 +99,10 @@ def _log_fd_exhaustion(exc: OSError) -> None:
 
 
 async def send_segments(request: web.Request, segments: AsyncIterator[Segment],
-                        first: Segment | None, resp: web.StreamResponse) -> web.StreamResponse:
-    """Stream the segments; a file segment goes out with sendfile, no copy through Python."""
+                        first: Segment | None, resp: web.StreamResponse,
+                        sent: list[int] | None = None) -> web.StreamResponse:
+    """Stream the segments; a file segment goes out with sendfile, no copy through Python.
+    ``sent[0]`` counts the bytes handed to the connection (for the audit log)."""
     await resp.prepare(request)
     loop = asyncio.get_running_loop()
     seg = first
@@ -122,6 +125,8 @@ async def send_segments(request: web.Request, segments: AsyncIterator[Segment],
                     seg.release()
             else:
                 await resp.write(seg)
+            if sent is not None:
+                sent[0] += seg.count if isinstance(seg, FileSegment) else len(seg)
             try:
                 seg = await anext(segments, None)
             except SpokeError as exc:
@@ -242,8 +247,9 @@ def check_version(version: str) -> bool:
 class Api:
     """Route handlers. ``extra`` lets a role add its own routes (the spoke's hints, warm...)."""
 
-    def __init__(self, backend: Backend) -> None:
+    def __init__(self, backend: Backend, audit: Audit | None = None) -> None:
         self.backend = backend
+        self.audit = audit or Audit()  # a no-op without --audit-log
         self.requests = Counter("spokefs_requests", "HTTP requests by route and status",
                                 ["route", "status"], registry=backend.registry)
         self.bytes_served = Counter("spokefs_served_bytes", "Body bytes sent to readers",
@@ -346,12 +352,22 @@ class Api:
             doc = json.loads(raw)
         except ValueError as exc:
             raise BadRequest(f"a batch read's body is not JSON: {exc}") from exc
-        parts = await self.backend.read_blocks(ds, parse_block_list(doc))
+        blocks = parse_block_list(doc)
+        parts = await self.backend.read_blocks(ds, blocks)
         resp = web.StreamResponse(status=200, headers={"Content-Type": BLOCKS_TYPE})
         resp.content_length = sum(HEADER_SIZE + p.length for p in parts)
-        await resp.prepare(request)
-        await send_frames(request, resp, parts)
-        self.bytes_served.inc(sum(p.length for p in parts if p.status == 200))
+        nbytes = sum(p.length for p in parts if p.status == 200)
+        try:
+            await resp.prepare(request)
+            await send_frames(request, resp, parts)
+        except BaseException:
+            # How much of a cut batch arrived is not known here (frames are gathered).
+            self.audit.read(request, ds, None, 200, version=(v for v, _ in blocks),
+                            blocks=len(blocks), complete=False)
+            raise
+        self.audit.read(request, ds, nbytes, 200, version=(v for v, _ in blocks),
+                        blocks=len(blocks), failed=sum(p.status != 200 for p in parts))
+        self.bytes_served.inc(nbytes)
         self.requests.labels("blocks", "200").inc()
         return resp
 
@@ -377,11 +393,14 @@ class Api:
             status = 206
             headers["Content-Range"] = f"bytes {start}-{end - 1}/{size}"
         bs = info.block_size
+        path = entry.path if entry is not None else None
         if request.method == "HEAD" or end == start:
             resp = web.StreamResponse(status=status, headers=headers)
             resp.content_length = end - start
             await resp.prepare(request)
             await resp.write_eof()
+            if request.method != "HEAD":  # HEAD reads nothing
+                self.audit.read(request, ds, 0, status, path, version)
             return resp
         ctx = ReadContext(entry.path if entry else None, size,
                           request.headers.get(H_READER, "") or _peer(request),
@@ -397,6 +416,7 @@ class Api:
                     headers[H_DIGEST] = digest.hex()
             self.bytes_served.inc(end - start)
             (self._ok if status == 200 else self._partial).inc()
+            self.audit.read(request, ds, end - start, status, path, version)
             return web.Response(status=status, headers=headers, body=body)
         resp = web.StreamResponse(status=status, headers=headers)
         resp.content_length = end - start
@@ -406,7 +426,13 @@ class Api:
             digest = await self.backend.block_digest(ds, version, start // bs)
             if digest is not None:
                 resp.headers[H_DIGEST] = digest.hex()
-        await send_segments(request, segments, first, resp)
+        sent = [0]
+        try:
+            await send_segments(request, segments, first, resp, sent)
+        except BaseException:
+            self.audit.read(request, ds, sent[0], status, path, version, complete=False)
+            raise
+        self.audit.read(request, ds, sent[0], status, path, version)
         self.bytes_served.inc(end - start)
         (self._ok if status == 200 else self._partial).inc()
         log.debug("served %s/%s [%d,%d) in %.1f ms", ds, version, start, end,
@@ -486,6 +512,8 @@ JOB_ROUTES = frozenset({
 H_AUTH_NAME = "X-Spokefs-Auth-Name"
 H_AUTH_ADMIN = "X-Spokefs-Auth-Admin"
 AUTH_KEY = web.AppKey("auth", TokenFile)
+# What else SIGHUP reads again (a spoke's dataset rules): callables, run in order.
+RELOAD_KEY = web.AppKey("reload", list)
 
 
 def _dataset_of(request: web.Request) -> str | None:
@@ -495,13 +523,24 @@ def _dataset_of(request: web.Request) -> str | None:
     return ds
 
 
-def auth_middleware(tokens: TokenFile, job_owners: bool = True) -> Callable:
+def auth_middleware(tokens: TokenFile, job_owners: bool = True,
+                    audit: Audit | None = None) -> Callable:
     """``job_owners``: keep who announced each job (the process that owns jobs: a spoke's
-    primary, not a replica worker, which forwards job requests to it)."""
+    primary, not a replica worker, which forwards job requests to it). ``audit``: where
+    refusals are recorded (by the token's name, never its secret)."""
     owners: dict[tuple[str, str], str] = {}  # (dataset, job) -> the token that announced it
+    audit = audit or Audit()
 
     @web.middleware
     async def check(request: web.Request, handler: Callable) -> web.StreamResponse:
+        try:
+            return await checked(request, handler)
+        except (Unauthorized, Forbidden) as exc:
+            token = request.get("token")
+            audit.refused(request, exc.status, str(exc), token.name if token else None)
+            raise
+
+    async def checked(request: web.Request, handler: Callable) -> web.StreamResponse:
         transport = request.transport
         sock = transport.get_extra_info("socket") if transport is not None else None
         if sock is not None and sock.family == socket.AF_UNIX:
@@ -510,6 +549,7 @@ def auth_middleware(tokens: TokenFile, job_owners: bool = True) -> Callable:
             token = Token(name, admin, None)
         else:
             token = tokens.check(request.headers.get("Authorization"))
+        request["token"] = token  # for the audit log, also when refused below
         resource = request.match_info.route.resource
         key = (request.method, resource.canonical if resource is not None else "")
         ds = _dataset_of(request)
@@ -528,23 +568,29 @@ def auth_middleware(tokens: TokenFile, job_owners: bool = True) -> Callable:
                 owners.pop(job, None)
             elif len(owners) < 65_536:
                 owners[job] = token.name
-        request["token"] = token
         return await handler(request)
 
     return check
 
 
 def build_app(backend: Backend, extra_routes: list[web.RouteDef] | None = None,
-              auth: Path | None = None, job_owners: bool = True) -> web.Application:
-    """The API over ``backend``; with ``auth`` (a token file), every request needs a token."""
+              auth: Path | None = None, job_owners: bool = True,
+              audit: Audit | None = None) -> web.Application:
+    """The API over ``backend``; with ``auth`` (a token file), every request needs a token.
+    ``audit``: the audit log (closed with the app)."""
     middlewares: list[Callable] = [errors_middleware]
     tokens = TokenFile(auth) if auth is not None else None
     if tokens is not None:
-        middlewares.append(auth_middleware(tokens, job_owners))
+        middlewares.append(auth_middleware(tokens, job_owners, audit))
     app = web.Application(middlewares=middlewares, client_max_size=64 * 1024 * 1024)
     if tokens is not None:
         app[AUTH_KEY] = tokens
     app[BACKEND_KEY] = backend
-    api = Api(backend)
+    api = Api(backend, audit)
     app.add_routes((extra_routes or []) + api.routes())
+    if audit is not None:
+        async def close_audit(app: web.Application) -> None:  # after the backend's cleanup
+            audit.close()
+
+        app.on_cleanup.append(close_audit)
     return app

@@ -1,0 +1,138 @@
+"""Per-dataset residency and retention, set on the spoke (``--dataset-config FILE``).
+
+A TOML file; a table per dataset, and an optional ``default`` for the others::
+
+    [default]
+    ttl = "30d"
+
+    [datasets.patients]
+    cache = "deny"        # bytes pass through; nothing is kept on this host
+
+    [datasets.imagenet]
+    ttl = "24h"           # a cached block is never served past this age, and is dropped
+    max_share = 0.5       # at most this share of the cache; past it, blocks pass through
+
+Read at start (a bad file stops the spoke), then again when it changes (checked every few
+seconds) and on SIGHUP; a bad edit keeps the rules in force and says why in the log.
+Sans-I/O apart from reading the file.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import tomllib
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+from spokefs.errors import ConfigError
+from spokefs.units import parse_duration
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class DatasetRules:
+    cache: bool = True               # False: served, never kept
+    ttl: float | None = None         # seconds a cached block may be served
+    max_share: float | None = None   # of the cache's capacity
+
+
+ALLOW_ALL = DatasetRules()
+
+
+def parse_rules(text: str, where: str = "dataset config") -> tuple[DatasetRules,
+                                                                   dict[str, DatasetRules]]:
+    """(the default rules, rules per dataset). ConfigError naming what is wrong."""
+    try:
+        doc = tomllib.loads(text)
+    except tomllib.TOMLDecodeError as exc:
+        raise ConfigError(f"{where}: not TOML: {exc}") from exc
+    unknown = set(doc) - {"default", "datasets"}
+    if unknown:
+        raise ConfigError(f"{where}: unknown table(s) {sorted(unknown)}; use [default] and "
+                          "[datasets.NAME]")
+    default = _rules(doc.get("default", {}), f"{where} [default]")
+    per = doc.get("datasets", {})
+    if not isinstance(per, dict):
+        raise ConfigError(f"{where}: 'datasets' must be tables [datasets.NAME]")
+    return default, {str(name): _rules(t, f"{where} [datasets.{name}]")
+                     for name, t in per.items()}
+
+
+def _rules(table: Any, where: str) -> DatasetRules:
+    if not isinstance(table, dict):
+        raise ConfigError(f"{where}: must be a table")
+    unknown = set(table) - {"cache", "ttl", "max_share"}
+    if unknown:
+        raise ConfigError(f"{where}: unknown key(s) {sorted(unknown)} (cache, ttl, max_share)")
+    cache = table.get("cache", "allow")
+    if cache not in ("allow", "deny"):
+        raise ConfigError(f"{where}: cache must be \"allow\" or \"deny\", not {cache!r}")
+    ttl = table.get("ttl")
+    if ttl is not None:
+        ttl = parse_duration(str(ttl))
+        if ttl <= 0:
+            raise ConfigError(f"{where}: ttl must be > 0")
+    share = table.get("max_share")
+    if share is not None and (isinstance(share, bool) or not isinstance(share, (int, float))
+                              or not 0 < share <= 1):
+        raise ConfigError(f"{where}: max_share must be a number in (0, 1], not {share!r}")
+    return DatasetRules(cache == "allow", ttl, float(share) if share is not None else None)
+
+
+class DatasetConfig:
+    """The rules in force, from a file (or none: everything allowed, kept, no limit)."""
+
+    def __init__(self, path: Path | None) -> None:
+        self.path = path
+        self.default = ALLOW_ALL
+        self.rules: dict[str, DatasetRules] = {}
+        self._stamp: tuple[int, int, int] | None = None
+        if path is not None:
+            self.reload(strict=True)
+
+    def get(self, dataset: str) -> DatasetRules:
+        return self.rules.get(dataset, self.default)
+
+    @property
+    def any_ttl_or_deny(self) -> bool:
+        return any(r.ttl is not None or not r.cache
+                   for r in (self.default, *self.rules.values()))
+
+    def reload(self, strict: bool = False) -> bool:
+        """Read the file again; whether the rules changed."""
+        if self.path is None:
+            return False
+        try:
+            st = os.stat(self.path)
+            default, rules = parse_rules(self.path.read_text(), str(self.path))
+        except (OSError, ConfigError) as exc:
+            if strict:
+                raise ConfigError(f"cannot use --dataset-config {self.path}: {exc}") from exc
+            log.error("dataset config: keeping the rules in force; %s could not be used: %s",
+                      self.path, exc)
+            return False
+        self._stamp = (st.st_ino, st.st_size, st.st_mtime_ns)
+        changed = (default, rules) != (self.default, self.rules)
+        self.default, self.rules = default, rules
+        if changed and not strict:
+            log.info("dataset config: rules for %d datasets from %s", len(rules), self.path)
+        return changed
+
+    def reload_if_changed(self) -> bool:
+        if self.path is None:
+            return False
+        try:
+            st = os.stat(self.path)
+        except OSError:
+            return False
+        if (st.st_ino, st.st_size, st.st_mtime_ns) == self._stamp:
+            return False
+        return self.reload()
+
+    def describe(self) -> dict[str, object]:
+        return {"file": str(self.path) if self.path else None,
+                "default": asdict(self.default),
+                "datasets": {k: asdict(v) for k, v in sorted(self.rules.items())}}
