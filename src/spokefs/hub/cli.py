@@ -59,7 +59,9 @@ def _serve(args: argparse.Namespace) -> int:
           f"{', new' if result.created_new else ''})", flush=True)
     check_bind(args.host, args.auth, args.insecure, "hub")
     tls = tls_paths(args)
-    app = build_app(HubBackend([state]), auth=args.auth)
+    from spokefs.audit import Audit
+
+    app = build_app(HubBackend([state]), auth=args.auth, audit=Audit(args.audit_log))
     try:
         asyncio.run(serve_forever(app, args.host, args.port, "hub", tls=tls))
     finally:

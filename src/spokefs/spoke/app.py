@@ -14,7 +14,8 @@ from spokefs.wire.server import RELOAD_KEY, build_app
 
 def build_spoke_app(backend: SpokeBackend) -> web.Application:
     auth = backend.config.auth
-    app = build_app(backend, SpokeRoutes(backend).routes(), auth=Path(auth) if auth else None)
+    app = build_app(backend, SpokeRoutes(backend).routes(), auth=Path(auth) if auth else None,
+                    audit=backend.audit)
     app[RELOAD_KEY] = [backend.reload_dataset_rules]
 
     async def lifecycle(app: web.Application):

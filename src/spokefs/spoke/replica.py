@@ -28,6 +28,7 @@ from typing import Any
 from aiohttp import web
 from prometheus_client import CollectorRegistry
 
+from spokefs.audit import Audit
 from spokefs.cache.shared import SharedCache, SharedLoc
 from spokefs.errors import (
     NotFound,
@@ -350,7 +351,8 @@ class ReplicaBackend:
         return parts
 
 
-def build_replica_app(backend: ReplicaBackend, auth: Path | None = None) -> web.Application:
+def build_replica_app(backend: ReplicaBackend, auth: Path | None = None,
+                      audit: Audit | None = None) -> web.Application:
     async def flush(request: web.Request) -> web.Response:
         await backend._report()
         return web.json_response({})
@@ -358,7 +360,8 @@ def build_replica_app(backend: ReplicaBackend, auth: Path | None = None) -> web.
     routes = [web.post("/v1/workers/flush", flush)]
     routes += [web.route(method, path, backend.forward) for method, path in PROXIED]
     app = build_app(backend, routes, auth=auth,  # type: ignore[arg-type]
-                    job_owners=False)  # the primary keeps who owns a job
+                    job_owners=False,  # the primary keeps who owns a job
+                    audit=audit)  # this worker's own file (spokefs.audit.worker_file)
 
     async def lifecycle(app: web.Application) -> AsyncIterator[None]:
         await backend.start()

@@ -33,6 +33,7 @@ from typing import Any
 
 from prometheus_client import CollectorRegistry
 
+from spokefs.audit import Audit
 from spokefs.cache.durable import load_manifest_checked, store_manifest
 from spokefs.cache.feed import ResidencyFeed
 from spokefs.cache.store import BlockStore, Loc, read_loc
@@ -97,6 +98,7 @@ class SpokeConfig:
     dataset_config: str | None = None  # per-dataset residency and retention (spoke.datasets)
     tls_cert: str | None = None     # serve https (with tls_key)
     tls_key: str | None = None
+    audit_log: str | None = None    # the primary's audit file; replica N's is FILE.worker-N
 
     def tls(self) -> tuple[Path, Path] | None:
         return (Path(self.tls_cert), Path(self.tls_key)) if self.tls_cert and self.tls_key \
@@ -169,6 +171,7 @@ class SpokeBackend:
         self.warm_pinned_bytes = 0
         self._last_upstream_error: str | None = None
         self.served: Any = None  # the API's served-bytes counter (wire.server sets it)
+        self.audit = Audit(config.audit_log)  # a no-op without --audit-log
         self.started = time.time()
 
     # -- lifecycle ---------------------------------------------------------------------------
@@ -186,6 +189,7 @@ class SpokeBackend:
         self.metrics.prefetch_window.set_function(
             lambda: self.fetcher.queue.prefetch_window or self.config.prefetch_inflight)
         self.tasks.keep(self._housekeeping, "housekeeping")
+        self.audit.watch_store(self.store, self.tasks)  # after the callbacks above: it chains
         self.tasks.keep(LoopLag(self.registry).run, "loop-lag")
         if self.config.prefetch:
             planner = Planner(capacity=self.store.capacity,
@@ -800,6 +804,7 @@ class SpokeBackend:
                 m = await self.manifest(name, await self.resolve(name, snap))
                 versions.update(m.versions)
         keys = self.store.purge_keys(name, versions)
+        self.audit.purging(keys)  # their removals are recorded as purged
         freed = 0
         for n, key in enumerate(keys):
             freed += self.store.size_of(key)
@@ -813,6 +818,7 @@ class SpokeBackend:
     async def purge_versions(self, name: str, versions: set[str]) -> int:
         """Drop the cached blocks of these file versions (named files or folders, now)."""
         keys = [k for k in self.store.purge_keys(name) if k[0] in versions]
+        self.audit.purging(keys)
         freed = 0
         for n, key in enumerate(keys):
             freed += self.store.size_of(key)

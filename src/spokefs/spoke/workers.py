@@ -6,7 +6,9 @@ processes: worker 0 is the primary (the whole spoke: store, fetches, planner; it
 listens on ``CACHE_DIR/spoke.sock`` for the others), workers 1..N-1 are replicas
 (``spokefs.spoke.replica``: they serve reads from the shared cache and ask the primary for
 the rest). It prints the ready line once every worker answers, restarts a worker that dies
-(the primary first: it owns the cache), and on SIGTERM or SIGINT stops them all.
+(the primary first: it owns the cache), and on SIGTERM or SIGINT stops them all. With
+``--audit-log FILE`` the primary writes FILE and replica N writes FILE.worker-N (each its own
+reads and refusals; the cache's summaries are the primary's).
 """
 
 from __future__ import annotations
@@ -192,8 +194,12 @@ def run_worker(role: str, index: int, listen_fd: int, unix_path: str, config_raw
         # Its own socket, where the primary asks it for its counts before a scrape.
         mine = str(config.cache_dir / f"worker-{index}.sock")
         auth = Path(config.auth) if config.auth else None
-        asyncio.run(serve_forever(build_replica_app(backend, auth), "", 0, "spoke-worker",
-                                  sock=sock, unix_path=mine, tls=config.tls()))
+        # Its own audit file: rotating one file from several processes would lose lines.
+        from spokefs.audit import Audit, worker_file
+
+        audit = Audit(worker_file(config.audit_log, index) if config.audit_log else None)
+        asyncio.run(serve_forever(build_replica_app(backend, auth, audit), "", 0,
+                                  "spoke-worker", sock=sock, unix_path=mine, tls=config.tls()))
     return 0
 
 

@@ -1,5 +1,5 @@
-"""The command-line options every server takes for tokens and TLS (spokefs.wire.auth,
-spokefs.wire.tls)."""
+"""The command-line options every server takes for tokens, TLS and the audit log
+(spokefs.wire.auth, spokefs.wire.tls, spokefs.audit)."""
 
 from __future__ import annotations
 
@@ -20,6 +20,11 @@ def add_auth_arguments(parser: argparse.ArgumentParser) -> None:
                         help="serve https with this certificate (PEM; with --tls-key)")
     parser.add_argument("--tls-key", type=Path, metavar="FILE",
                         help="the certificate's private key (PEM)")
+    parser.add_argument("--audit-log", metavar="FILE",
+                        help="write an audit log to FILE: one JSON line per read (token "
+                        "name, dataset, path or version, bytes), refusal, and cache summary; "
+                        "rotated at 64 MiB, 5 kept. A spoke's replica worker N writes "
+                        "FILE.worker-N")
 
 
 def tls_paths(args: argparse.Namespace) -> tuple[Path, Path] | None:
