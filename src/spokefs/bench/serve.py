@@ -33,7 +33,13 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="size of each file (default 64MiB)")
     p.add_argument("--seconds", type=float, default=4.0, help="time per sequential case")
     p.add_argument("--random-reads", type=int, default=400, help="random reads per case")
+    p.add_argument("--tokens", action="store_true",
+                   help="also measure the spoke with --auth (every request presents a token): "
+                   "what checking a token per request costs")
     p.set_defaults(func=_run)
+
+
+_HEADERS: dict[str, str] = {}  # sent with every request (a token, for the --auth run)
 
 
 async def _files(session: aiohttp.ClientSession, base: str) -> list[tuple[str, int]]:
@@ -54,7 +60,8 @@ async def _get(session: aiohttp.ClientSession, url: str, start: int, end: int) -
 
 
 async def _seq(base: str, readers: int, seconds: float) -> dict[str, Any]:
-    async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=readers)) as s:
+    async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=readers),
+                                     headers=_HEADERS) as s:
         files = await _files(s, base)
         total = 0
         lat: list[float] = []
@@ -83,7 +90,8 @@ async def _seq(base: str, readers: int, seconds: float) -> dict[str, Any]:
 
 async def _rand(base: str, n: int, seed: int = 7) -> dict[str, Any]:
     rng = random.Random(seed)
-    async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=1)) as s:
+    async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=1),
+                                     headers=_HEADERS) as s:
         files = await _files(s, base)
         lat = []
         for _ in range(n):
@@ -121,6 +129,18 @@ def _run(args: argparse.Namespace) -> int:
                 asyncio.run(_warm(spoke.url))
                 results = {"hub": asyncio.run(_measure(hub.url, args)),
                            "spoke": asyncio.run(_measure(spoke.url, args))}
+            if args.tokens:  # the same warm cache, now behind tokens
+                token = "bench-" + "t" * 32
+                (root / "tokens").write_text(f"bench read {token}\n")
+                authed = Service([*spoke_args(hub.url, root / "cache",
+                                              str(args.files * args.file_size * 2)),
+                                  "--auth", str(root / "tokens")])
+                with running(authed):
+                    _HEADERS["Authorization"] = f"Bearer {token}"
+                    try:
+                        results["spoke_auth"] = asyncio.run(_measure(authed.url, args))
+                    finally:
+                        _HEADERS.clear()
     h, s = results["hub"], results["spoke"]
     goals = {"spoke_seq_4MiB_c8_GBps>=1.0": s["seq_4MiB_c8_GBps"] >= 1.0,
              "spoke_vs_hub_c8>=0.9": s["seq_4MiB_c8_GBps"] >= 0.9 * h["seq_4MiB_c8_GBps"],
@@ -131,14 +151,21 @@ def _run(args: argparse.Namespace) -> int:
            **results, "spoke_vs_hub": {k: s[k] / h[k] for k in s if h[k]}, "goals": goals}
     path = write_json(args.out, doc)
     keys = list(h)
-    print(table([[k, h[k], s[k], s[k] / h[k] if h[k] else float("nan")] for k in keys],
-                ["figure", "hub", "spoke", "spoke/hub"]))
+    a = results.get("spoke_auth")
+    if a is not None:
+        doc["auth_vs_spoke"] = {k: a[k] / s[k] for k in s if s[k]}
+        write_json(args.out, doc)
+        print(table([[k, h[k], s[k], a[k], a[k] / s[k] if s[k] else float("nan")]
+                     for k in keys], ["figure", "hub", "spoke", "spoke+tokens", "tokens/plain"]))
+    else:
+        print(table([[k, h[k], s[k], s[k] / h[k] if h[k] else float("nan")] for k in keys],
+                    ["figure", "hub", "spoke", "spoke/hub"]))
     print("goals: " + ", ".join(f"{k} {'met' if v else 'MISSED'}" for k, v in goals.items()))
     print(f"wrote {path}")
     return 0
 
 
 async def _warm(base: str) -> None:
-    async with aiohttp.ClientSession() as s:
+    async with aiohttp.ClientSession(headers=_HEADERS) as s:
         for url, size in await _files(s, base):
             await _get(s, url, 0, size)
