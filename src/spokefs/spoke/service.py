@@ -803,7 +803,14 @@ class SpokeBackend:
             for snap in keep:
                 m = await self.manifest(name, await self.resolve(name, snap))
                 versions.update(m.versions)
-        keys = self.store.purge_keys(name, versions)
+        return await self._drop_all(self.store.purge_keys(name, versions))
+
+    async def purge_versions(self, name: str, versions: set[str]) -> int:
+        """Drop the cached blocks of these file versions (named files or folders, now)."""
+        return await self._drop_all([k for k in self.store.purge_keys(name) if k[0] in versions])
+
+    async def _drop_all(self, keys: list[BlockKey]) -> int:
+        """Drop blocks for a purge; the bytes freed."""
         self.audit.purging(keys)  # their removals are recorded as purged
         freed = 0
         for n, key in enumerate(keys):
@@ -812,19 +819,6 @@ class SpokeBackend:
             if n % 2000 == 1999:
                 await asyncio.sleep(0)  # a big purge must not stop every reader meanwhile
         # Done means done: the space is free and the index says so when this returns.
-        await asyncio.to_thread(self.store.worker.flush)
-        return freed
-
-    async def purge_versions(self, name: str, versions: set[str]) -> int:
-        """Drop the cached blocks of these file versions (named files or folders, now)."""
-        keys = [k for k in self.store.purge_keys(name) if k[0] in versions]
-        self.audit.purging(keys)
-        freed = 0
-        for n, key in enumerate(keys):
-            freed += self.store.size_of(key)
-            self.store.drop(key, "purge")
-            if n % 2000 == 1999:
-                await asyncio.sleep(0)
         await asyncio.to_thread(self.store.worker.flush)
         return freed
 
