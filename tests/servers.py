@@ -5,11 +5,11 @@ from __future__ import annotations
 import random
 from pathlib import Path
 
-from spokefs.bench.procs import Service
+from spokefs.procs import Service
 
 
 class ServerProcess(Service):
-    """A spokefs service process for tests (see spokefs.bench.procs.Service)."""
+    """A spokefs service process for tests (see spokefs.procs.Service)."""
 
     def __init__(self, *args: str, env: dict[str, str] | None = None) -> None:
         super().__init__(list(args), env=env)

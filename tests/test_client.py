@@ -11,6 +11,30 @@ import pytest
 import urllib3
 
 import spokefs
+from spokefs.client.urls import parse_url
+from spokefs.errors import BadRequest, ConfigError
+from spokefs.mount.source import Target
+
+
+def test_url_rules() -> None:
+    """One grammar for every spokefs URL (open, fsspec, status, warm, purge, the mount):
+    ``[http[s]|spokefs]://host:port/<dataset>[@<snapshot>][/<path>]``."""
+    u = parse_url("spoke:8471/imagenet/train/x.jpg")
+    assert (u.base, u.dataset, u.snapshot, u.path) == (
+        "http://spoke:8471", "imagenet", "latest", "train/x.jpg")
+    u = parse_url("spokefs://h:1/ds@3fa9c1d20b7e/a%20b/")
+    assert (u.base, u.dataset, u.snapshot, u.path) == ("http://h:1", "ds", "3fa9c1d20b7e", "a b")
+    assert parse_url("https://h/ds").base == "https://h"
+    for bad in ("ftp://h/ds", "http://h", "http:///ds"):
+        with pytest.raises(ConfigError):
+            parse_url(bad)
+    for bad in ("http://h/ds/../x", "http://h/bad name/x", "http://h/ds@../x"):
+        with pytest.raises(BadRequest):
+            parse_url(bad)
+    # The mount reads a dataset URL by the same rules.
+    for url in ("http://h:1/ds", "h:1/ds@3fa9c1d20b7e", "https://h/ds/"):
+        t, u = Target.parse(url), parse_url(url)
+        assert (t.base, t.dataset, t.snapshot) == (u.base, u.dataset, u.snapshot)
 
 
 def test_open_seek_read_readinto(spoke_server, dataset: Path) -> None:

@@ -44,10 +44,19 @@ needs_fuse = pytest.mark.skipif(FUSE_REASON is not None, reason=f"no FUSE: {FUSE
 def test_target_parse() -> None:
     t = Target.parse("http://127.0.0.1:8471/imagenet")
     assert (t.base, t.dataset, t.snapshot) == ("http://127.0.0.1:8471", "imagenet", "latest")
-    t = Target.parse("http://hub:8470/prefix/ds@3fa9c1d20b7e/")
-    assert (t.base, t.dataset, t.snapshot) == ("http://hub:8470/prefix", "ds", "3fa9c1d20b7e")
-    for bad in ("hub:8470/ds", "http://hub:8470", "http://hub:8470/", "ftp://h/ds"):
+    t = Target.parse("https://hub:8470/ds@3fa9c1d20b7e/")
+    assert (t.base, t.dataset, t.snapshot) == ("https://hub:8470", "ds", "3fa9c1d20b7e")
+    # The rules of every other spokefs URL (parse_url): no scheme is http, the dataset is the
+    # first segment. The mount's own parser took the last one, so "http://h/a/b" was
+    # dataset b to the mount and dataset a (path b) to spokefs.open, status and warm.
+    t = Target.parse("hub:8470/ds")
+    assert (t.base, t.dataset) == ("http://hub:8470", "ds")
+    for bad in ("http://hub:8470", "http://hub:8470/", "ftp://h/ds", "http://hub:8470/a/b"):
         with pytest.raises(ConfigError):
+            Target.parse(bad)
+    # A name the server would refuse fails here, not as a 400 from the upstream at mount.
+    for bad in ("http://hub:8470/my%20ds", "http://hub:8470/ds@../x", "http://h/ds@a@b"):
+        with pytest.raises(SpokeError):
             Target.parse(bad)
 
 

@@ -10,6 +10,7 @@ from collections import Counter
 import pytest
 
 from spokefs.errors import BadRequest, ConfigError
+from spokefs.integrity import block_count
 from spokefs.planner import (
     DEMAND,
     WORKING_SET_PRIORITY,
@@ -110,10 +111,30 @@ def test_manifest_subtree_and_blocks() -> None:
     assert m.bytes_in(sub) == 10 + 9 * MiB
     assert m.index("a/b/y") == 2 and m.index("nope") is None
     assert m.nblocks(2) == 3 and m.block_bytes(2, 2) == MiB
-    assert m.nblocks(3) == 1  # an empty file is one (empty) block
+    assert m.nblocks(3) == 0 and m.blocks_of(3) == range(0)  # an empty file has no block
     assert m.blocks_of(2, 4 * MiB - 1, 2) == range(0, 2)
     with pytest.raises(ConfigError):
         Manifest(["b", "a"], ["1", "2"], [1, 1])
+
+
+@pytest.mark.parametrize("files", [[0, 1, 2], [0, 1, 2, 3]])  # without, with a 2-block file
+def test_an_empty_file_has_no_block_for_the_planner_either(files: list[int]) -> None:
+    """The planner cuts files as the hub and the spoke's warm-up do (integrity.block_count:
+    an empty file has none). With a block of its own for an empty file, an order pinned a key
+    no upstream serves and no store holds, at a position no read of the file consumed."""
+    m = Manifest.from_entries(
+        [("a-empty", "v0", 0), ("b", "v1", 100 * KiB), ("c-empty", "v2", 0), ("d", "v3", 5 * MiB)],
+        BS)
+    assert [m.nblocks(i) for i in range(4)] == [block_count(s, BS) for s in m.sizes]
+    h = Harness(m, max_inflight_bytes=1 * GiB)
+    out = h.send(OrderAnnounced("ds", "j", 0, files))
+    future = next(a for a in out if isinstance(a, SetFuture))
+    assert list(future.keys) == [(m.versions[f], b) for f in files for b in range(m.nblocks(f))]
+    assert not [k for k in h.pins if k[0] in ("v0", "v2")]
+    h.complete()
+    for f in files:
+        h.read(f, job="j")
+    assert h.p.order_position("ds", "j") == len(future.keys)  # every position consumed
 
 
 # -- readahead --------------------------------------------------------------------------------

@@ -19,9 +19,9 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from spokefs.bench.common import table, write_json
-from spokefs.bench.procs import Service, hub_args, running, spoke_args
 from spokefs.client.sync import Client
 from spokefs.manifest import Manifest
+from spokefs.procs import Service, hub_args, running, spoke_args
 
 MiB = 1024 * 1024
 

@@ -29,7 +29,7 @@ from pathlib import Path
 from typing import Any
 
 from spokefs.bench.common import machine, percentile, table, write_json
-from spokefs.bench.procs import Service, hub_args, spoke_args
+from spokefs.procs import Service, hub_args, spoke_args
 from spokefs.units import parse_size
 
 GOALS = {

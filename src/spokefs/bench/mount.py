@@ -274,9 +274,9 @@ def _states(large: list[Path], small: list[Path], args: argparse.Namespace,
 # -- the run ---------------------------------------------------------------------------------
 def run(args: argparse.Namespace) -> int:
     from spokefs.bench.common import machine, table, write_json
-    from spokefs.bench.procs import Service, hub_args, spoke_args
     from spokefs.cache.inspect import blocks_on_disk
     from spokefs.mount.process import MountProcess
+    from spokefs.procs import Service, hub_args, spoke_args
 
     variants = [v.strip() for v in args.variants.split(",") if v.strip()]
     if not variants or set(variants) - {"sc", "http"}:

@@ -17,7 +17,7 @@ from typing import Any
 import aiohttp
 
 from spokefs.bench.common import machine, percentile, table, write_json
-from spokefs.bench.procs import Service, hub_args, running, spoke_args
+from spokefs.procs import Service, hub_args, running, spoke_args
 from spokefs.units import parse_size
 
 MiB = 1024 * 1024

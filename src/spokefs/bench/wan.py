@@ -26,8 +26,8 @@ import aiohttp
 from aiohttp import web
 
 from spokefs.bench.common import machine, table, write_json
-from spokefs.bench.procs import Service
 from spokefs.errors import SpokeError
+from spokefs.procs import Service
 from spokefs.units import format_size, parse_duration, parse_rate, parse_size
 from spokefs.wan.cli import _arg
 

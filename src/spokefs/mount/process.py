@@ -1,5 +1,5 @@
 """Mounting from Python code: a ``spokefs mount --foreground`` child process, ready when it
-says so.
+says so; the one lazy unmount and the one "is FUSE usable here" check.
 
     from spokefs.mount.process import MountProcess, unmount
 
@@ -14,121 +14,101 @@ mount is usable as soon as ``start()`` returns.
 
 from __future__ import annotations
 
+import errno
 import os
 import shutil
-import signal
 import subprocess
-import sys
-import threading
 import time
 from pathlib import Path
 
 from spokefs.mount import sysfs
+from spokefs.procs import Child, StartError, cli
 
 READY_PREFIX = "spokefs mount ready:"
 
 
-class MountError(RuntimeError):
+class MountError(StartError):
     """The mount process exited, or did not become ready in time; carries its output."""
 
 
 def mount_command(url: str, mountpoint: str | os.PathLike[str], *extra: str) -> list[str]:
-    return [sys.executable, "-m", "spokefs.cli", "mount", "--foreground", *extra, url,
-            str(mountpoint)]
+    return cli("mount", "--foreground", *extra, url, str(mountpoint))
 
 
-class MountProcess:
+class MountProcess(Child):
     """One foreground mount process; ``start()`` returns when the mount answers."""
 
     def __init__(self, url: str, mountpoint: str | os.PathLike[str], *extra: str,
                  env: dict[str, str] | None = None) -> None:
+        super().__init__(mount_command(url, mountpoint, *extra),
+                         lambda line: line.startswith(READY_PREFIX),
+                         name=f"mount of {url} at {mountpoint}", env=env or {})
         self.url = url
         self.mountpoint = Path(mountpoint)
-        self.args = mount_command(url, mountpoint, *extra)
-        self.env = {**os.environ, **(env or {})}
-        self.proc: subprocess.Popen[str] | None = None
-        self.output: list[str] = []
-        self.ready_line = ""
 
     def start(self, timeout: float = 60.0) -> MountProcess:
-        self.proc = subprocess.Popen(self.args, stdout=subprocess.PIPE,
-                                     stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                     text=True, env=self.env, bufsize=1)
-        ready = threading.Event()
-        threading.Thread(target=self._drain, args=(ready,), daemon=True).start()
-        deadline = time.monotonic() + timeout
-        while not ready.wait(0.05):
-            if self.proc.poll() is not None or time.monotonic() > deadline:
-                why = "exited" if self.proc.poll() is not None else f"not ready in {timeout:g}s"
-                self.kill()
-                raise MountError(f"mount of {self.url} at {self.mountpoint} {why}:\n"
-                                 + "".join(self.output))
+        try:
+            super().start(timeout)
+        except StartError as exc:
+            raise MountError(str(exc)) from None
         return self
-
-    def _drain(self, ready: threading.Event) -> None:
-        # Always read the pipe, so the mount never blocks writing a log line.
-        assert self.proc is not None and self.proc.stdout is not None
-        for line in self.proc.stdout:
-            self.output.append(line)
-            if line.startswith(READY_PREFIX):
-                self.ready_line = line.strip()
-                ready.set()
-
-    @property
-    def pid(self) -> int:
-        assert self.proc is not None
-        return self.proc.pid
-
-    def alive(self) -> bool:
-        return self.proc is not None and self.proc.poll() is None
 
     def stop(self, timeout: float = 30.0) -> None:
         """SIGTERM (the mount unmounts itself); a lazy unmount if anything is left."""
-        if self.alive():
-            assert self.proc is not None
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(timeout)
-            except subprocess.TimeoutExpired:
-                self.kill()
-        if sysfs.is_mounted(self.mountpoint):
-            unmount(self.mountpoint)
-
-    def kill(self) -> None:
-        """SIGKILL, as a crash would: the mountpoint stays dead until ``unmount``."""
-        if self.alive():
-            assert self.proc is not None
-            self.proc.kill()
-            self.proc.wait()
+        super().stop(timeout)
+        unmount(self.mountpoint)
 
     def __enter__(self) -> MountProcess:
         return self.start() if self.proc is None else self
 
-    def __exit__(self, *exc: object) -> None:
-        self.stop()
-
 
 def unmount(mountpoint: str | os.PathLike[str]) -> bool:
-    """Lazily unmount (live, busy or dead mounts alike); False if nothing was mounted."""
-    from spokefs.mount.run import lazy_unmount
-
+    """Detach a FUSE mount lazily, even if busy or dead (``fusermount3 -u -z``, else
+    ``umount -l``); False if nothing was mounted, OSError with the tool's message if it
+    cannot. Mount state comes from /proc/self/mountinfo: ``os.path.ismount`` says False for
+    a dead FUSE mount (its stat fails), which is the one most in need of clearing."""
     if not sysfs.is_mounted(mountpoint):
         return False
-    lazy_unmount(Path(mountpoint))
-    return True
+    last = ""
+    for cmd in (["fusermount3", "-u", "-z", str(mountpoint)],
+                ["umount", "-l", str(mountpoint)]):
+        try:
+            r = subprocess.run(cmd, capture_output=True, text=True, timeout=30)
+        except FileNotFoundError:
+            continue
+        if r.returncode == 0:
+            return True
+        last = (r.stderr or r.stdout).strip()
+    raise OSError(errno.EBUSY, last or "neither fusermount3 nor umount is installed")
 
 
-def fuse_unusable() -> str | None:
+def wait_mounted(mountpoint: Path, proc: subprocess.Popen[bytes] | None,
+                 timeout: float) -> None:
+    """Wait for another program's mount (a benchmark peer's) to appear; MountError if its
+    process exits first or nothing is mounted within ``timeout``."""
+    end = time.monotonic() + timeout
+    while not sysfs.is_mounted(mountpoint):
+        if proc is not None and proc.poll() is not None:
+            raise MountError(f"the mount at {mountpoint} exited with {proc.returncode}")
+        if time.monotonic() > end:
+            raise MountError(f"nothing mounted at {mountpoint} after {timeout:g}s")
+        time.sleep(0.05)  # another process's mount: nothing to block on
+
+
+def fuse_unusable(need_pyfuse3: bool = True) -> str | None:
     """Why a FUSE mount cannot work here (None when it can): tests skip and benchmarks
-    leave the mount out with this reason."""
+    leave the mount out with this reason. /dev/fuse is opened, not just looked for: in a
+    container it may exist and still be refused. ``need_pyfuse3=False``: for another program's
+    mount (rclone), which needs the kernel side and fusermount3 only."""
     try:
         os.close(os.open("/dev/fuse", os.O_RDWR))
     except OSError as exc:
         return f"cannot open /dev/fuse: {exc.strerror or exc}"
     if shutil.which("fusermount3") is None:
         return "fusermount3 is not installed (Debian package fuse3)"
-    try:
-        import pyfuse3  # noqa: F401
-    except ImportError as exc:
-        return f"pyfuse3 is not importable: {exc}"
+    if need_pyfuse3:
+        try:
+            import pyfuse3  # noqa: F401
+        except ImportError as exc:
+            return f"pyfuse3 is not importable: {exc}"
     return None

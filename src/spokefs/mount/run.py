@@ -13,7 +13,6 @@ import errno
 import logging
 import os
 import signal
-import subprocess
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -75,7 +74,7 @@ def clear_stale(mountpoint: Path) -> None:
             log.warning("%s is a dead mount (transport endpoint not connected); unmounting it",
                         mountpoint)
             try:
-                lazy_unmount(mountpoint)
+                unmount(mountpoint)
             except OSError as err:
                 raise ConfigError(f"cannot clear the dead mount at {mountpoint}: "
                                   f"{err.strerror}") from err
@@ -84,21 +83,6 @@ def clear_stale(mountpoint: Path) -> None:
                               f"{mountpoint}` first")
     if not mountpoint.is_dir():
         raise ConfigError(f"mountpoint {mountpoint} is not a directory (create it first)")
-
-
-def lazy_unmount(mountpoint: Path) -> None:
-    """Detach a FUSE mount even if busy or dead; raises OSError with the tool's message."""
-    last = ""
-    for cmd in (["fusermount3", "-u", "-z", str(mountpoint)],
-                ["umount", "-l", str(mountpoint)]):
-        try:
-            r = subprocess.run(cmd, capture_output=True, text=True, timeout=30)
-        except FileNotFoundError:
-            continue
-        if r.returncode == 0:
-            return
-        last = (r.stderr or r.stdout).strip()
-    raise OSError(errno.EBUSY, last or "neither fusermount3 nor umount is installed")
 
 
 async def serve(opts: MountOptions, on_ready: Callable[[str], None]) -> None:

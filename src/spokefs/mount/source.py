@@ -13,7 +13,6 @@ import asyncio
 import contextlib
 import logging
 import os
-import re
 from collections import OrderedDict
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
@@ -22,6 +21,7 @@ from typing import Protocol, TypeVar
 
 from spokefs.cache.shared import SharedCache, SharedLoc
 from spokefs.cache.store import CHUNK
+from spokefs.client.urls import parse_url
 from spokefs.errors import (
     ConfigError,
     RangeNotSatisfiable,
@@ -30,16 +30,15 @@ from spokefs.errors import (
     UpstreamUnavailable,
 )
 from spokefs.manifest import Manifest
-from spokefs.retry import backoff_delays
+from spokefs.retry import retrying
 from spokefs.wire.backend import FileSegment
 from spokefs.wire.client import UpstreamClient
+from spokefs.wire.headers import H_SNAPSHOT
 from spokefs.wire.http1 import DataClient
 
 log = logging.getLogger(__name__)
 
 T = TypeVar("T")
-
-_URL = re.compile(r"^(https?://[^/]+(?:/.*)?)/([^/@]+)(?:@([^/@]+))?/?$")
 
 
 @dataclass(frozen=True, slots=True)
@@ -52,11 +51,12 @@ class Target:
 
     @classmethod
     def parse(cls, url: str) -> Target:
-        m = _URL.match(url.strip())
-        if not m:
-            raise ConfigError(f"not a dataset URL: {url!r} (expected "
-                              "http://HOST:PORT/DATASET or http://HOST:PORT/DATASET@SNAPSHOT)")
-        return cls(m.group(1), m.group(2), m.group(3) or "latest")
+        """By the rules every spokefs URL follows (``parse_url``); a mount's names no path."""
+        u = parse_url(url.strip())
+        if u.path:
+            raise ConfigError(f"a mount URL names a dataset, not a path in it: {url!r} "
+                              "(expected http://HOST:PORT/DATASET[@SNAPSHOT])")
+        return cls(u.base, u.dataset, u.snapshot)
 
     def __str__(self) -> str:
         return f"{self.base}/{self.dataset}@{self.snapshot}"

@@ -13,14 +13,14 @@ from collections.abc import Iterable, Sequence
 from itertools import accumulate
 
 from spokefs.errors import ConfigError
+from spokefs.integrity import DEFAULT_BLOCK_SIZE, block_count
 from spokefs.policy import BlockKey
-
-DEFAULT_BLOCK_SIZE = 4 << 20
 
 
 class Manifest:
     """Files of one snapshot in path order. File ``i`` has ``paths[i]``, ``versions[i]``,
-    ``sizes[i]``; its blocks are ``(versions[i], 0..nblocks(i)-1)``."""
+    ``sizes[i]``; its blocks are ``(versions[i], 0..nblocks(i)-1)``, cut as the hub cuts them
+    (``spokefs.integrity``: an empty file has none)."""
 
     __slots__ = ("_cum", "block_size", "paths", "sizes", "versions")
 
@@ -79,8 +79,9 @@ class Manifest:
         return self._cum[files.stop] - self._cum[files.start] if files else 0
 
     def nblocks(self, i: int) -> int:
-        """A file smaller than a block (or empty) is one block."""
-        return max(1, -(-self.sizes[i] // self.block_size))
+        # The hub's rule, not one of our own: a block of an empty file would be pinned and
+        # counted here but never exist upstream or in the store.
+        return block_count(self.sizes[i], self.block_size)
 
     def block_bytes(self, i: int, b: int) -> int:
         return max(0, min(self.block_size, self.sizes[i] - b * self.block_size))

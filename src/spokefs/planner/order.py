@@ -19,9 +19,10 @@ from __future__ import annotations
 from array import array
 from bisect import bisect_right
 from collections.abc import Iterator, Sequence
-from itertools import accumulate
+from itertools import accumulate, compress
 
 from spokefs.errors import BadRequest, TooLarge
+from spokefs.integrity import block_count
 from spokefs.planner.manifest import Manifest
 from spokefs.policy import BlockKey
 
@@ -64,9 +65,9 @@ def check_order(sizes: Sequence[int], block_size: int, files: Sequence[int],
         raise BadRequest(f"order entry {bad} is not a file of the manifest "
                          f"(indexes are in [0, {len(sizes)}))")
     entry_sizes = list(map(sizes.__getitem__, files))
-    if ranges is None:
-        blocks = n if max(entry_sizes, default=0) <= block_size else sum(
-            max(1, -(-size // block_size)) for size in entry_sizes)
+    if ranges is None:  # whole files: the blocks they have (an empty file has none)
+        blocks = n - entry_sizes.count(0) if max(entry_sizes, default=0) <= block_size else sum(
+            block_count(size, block_size) for size in entry_sizes)
         _check_blocks(blocks)
         return None
     if not isinstance(ranges, list | tuple):
@@ -153,6 +154,9 @@ class OrderCursor:
         entry_sizes = list(map(sizes.__getitem__, files)) if ranges is None else []
         if ranges is None and max(entry_sizes, default=0) <= bs:
             # The common case (no file larger than a block) without a Python loop per entry.
+            if 0 in entry_sizes:  # an empty file has no block, so no position
+                files = list(compress(files, entry_sizes))
+                entry_sizes = list(filter(None, entry_sizes))
             new_files = array("l", files)
             new_blocks = array("l", [0]) * len(entry_sizes)
             running = accumulate(entry_sizes, initial=self.cum[-1])

@@ -40,12 +40,13 @@ from spokefs.errors import (
 from spokefs.integrity import DEFAULT_BLOCK_SIZE, blocks_in_range
 from spokefs.manifest import Manifest
 from spokefs.policy import BlockKey
-from spokefs.retry import backoff_delays
-from spokefs.spoke.routes import read_body
+from spokefs.retry import retrying
 from spokefs.tasks import Tasks
 from spokefs.wire.backend import BlockPart, DatasetInfo, ManifestMemo, ReadContext, Segment
+from spokefs.wire.bodies import read_body
 from spokefs.wire.client import UpstreamClient
-from spokefs.wire.server import H_AUTH_ADMIN, H_AUTH_NAME, H_JOB, H_READER, build_app
+from spokefs.wire.headers import H_AUTH_ADMIN, H_AUTH_NAME, H_JOB, H_READER
+from spokefs.wire.server import build_app
 
 log = logging.getLogger(__name__)
 

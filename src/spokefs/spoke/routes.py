@@ -14,34 +14,27 @@ TypeError deep inside (a 500) or work that grows with a number the client picked
 from __future__ import annotations
 
 import bisect
-import json
-import zlib
+import time
 from typing import Any
 
 from aiohttp import web
-from aiohttp.http_exceptions import HttpProcessingError
 
 from spokefs.errors import BadRequest, TooLarge
 from spokefs.manifest import Manifest
 from spokefs.planner.order import MAX_ORDER_ENTRIES, check_order
+from spokefs.spoke.jobsignal import MAX_STEPS, check_steps
 from spokefs.spoke.service import SpokeBackend
 from spokefs.wire.backend import ReadContext
+from spokefs.wire.bodies import MAX_BODY, decode_json, read_body
 from spokefs.wire.paths import check_dataset_name, check_snapshot_id
 from spokefs.wire.server import check_version, parse_block_list
 
-MAX_BODY = 64 << 20         # bytes of a control request's JSON, after any inflating
 MAX_LISTED = MAX_ORDER_ENTRIES  # files a request may name by "paths" or "indexes"
 MAX_READS = 100_000         # reads in one "reads" body
 MAX_READ_BYTES = 1 << 40    # bytes the reads of one body (or a locate's read) may span
 MAX_KEEP = 1024             # snapshots a purge may keep
 MAX_TEXT = 4096             # characters of a string field (a path, a prefix, a snapshot)
 INT_MAX = (1 << 63) - 1     # every integer field fits an int64 (arrays, sqlite, metrics)
-_MEMBERS = 64               # gzip members concatenated in one body (a client sends one)
-_PIECE = 1 << 20            # bytes inflated per zlib call: no second copy of a large body
-
-
-class PayloadTooLarge(TooLarge):
-    """A body, or a list in it, past its bound (HTTP 413)."""
 
 
 _KINDS: dict[type, str] = {dict: "an object", list: "a list", str: "a string", int: "an integer",
@@ -121,7 +114,7 @@ class Fields:
         if type(v) is not list:
             raise BadRequest(f"{self.name(key)} must be a list of {what}, not {_show(v)}")
         if len(v) > most:
-            raise PayloadTooLarge(f"{self.name(key)} lists {len(v):,} items; at most {most:,}")
+            raise TooLarge(f"{self.name(key)} lists {len(v):,} items; at most {most:,}")
         if not set(map(type, v)) <= {kind}:  # one pass in C; the loop below finds the culprit
             i, bad = next((i, x) for i, x in enumerate(v) if type(x) is not kind)
             raise BadRequest(f"{self.name(key)} must be a list of {what}; item {i} is "
@@ -133,74 +126,9 @@ class Fields:
         return None if v is None else Fields(v, self.path(key))
 
 
-async def read_body(request: web.Request) -> bytearray:
-    """The body, at most MAX_BODY bytes (else PayloadTooLarge; BadRequest if it cannot be
-    read). aiohttp inflates a ``Content-Encoding`` body as it streams in, a bounded piece at
-    a time; reading it piece by piece here (not with ``request.read()``, bounded only by the
-    app's ``client_max_size``, which it raises aiohttp's buffers to) stops a gzip bomb at the
-    bound, whatever that setting is."""
-    if (request.content_length or 0) > MAX_BODY:
-        raise PayloadTooLarge(f"a request body is at most {MAX_BODY >> 20} MiB, not "
-                              f"{request.content_length:,} bytes")
-    body = bytearray()
-    try:
-        while chunk := await request.content.readany():
-            body += chunk
-            if len(body) > MAX_BODY:
-                raise PayloadTooLarge(f"a request body is at most {MAX_BODY >> 20} MiB "
-                                      "(after inflating)")
-    except (web.RequestPayloadError, HttpProcessingError) as exc:
-        # A Content-Encoding body that does not inflate (a broken transfer encoding too).
-        raise BadRequest(f"request body cannot be read: {' '.join(str(exc).split())}"
-                         ) from exc
-    return body
-
-
-def _inflate(raw: bytes | bytearray, wbits: int, limit: int = MAX_BODY) -> bytearray:
-    """A compressed body aiohttp left as it came (gzip'd JSON sent without
-    ``Content-Encoding``, or any when the server does not inflate bodies itself), inflated to
-    at most ``limit`` bytes: zlib's ``max_length`` hands out a piece at a time, so a bomb
-    costs ``limit`` bytes and the work to make them, not what it would expand to."""
-    out = bytearray()
-    data: bytes | bytearray = raw
-    for _ in range(_MEMBERS):
-        d = zlib.decompressobj(wbits=wbits)
-        try:
-            while not d.eof:
-                piece = d.decompress(data, _PIECE)
-                data = d.unconsumed_tail
-                out += piece
-                if len(out) > limit:
-                    raise PayloadTooLarge(f"a request body is at most {limit >> 20} MiB "
-                                          "(after inflating)")
-                if not piece and not data:
-                    break  # no input left and no output held back: it ends early
-        except zlib.error as exc:
-            raise BadRequest(f"request body is not valid gzip or zlib data: {exc}") from exc
-        if not d.eof:
-            raise BadRequest("request body is not valid gzip or zlib data: it ends early")
-        data = d.unused_data
-        if not data:
-            return out
-    raise BadRequest(f"request body has more than {_MEMBERS} compressed members")
-
-
 def parse_json_body(raw: bytes | bytearray) -> Fields:
-    """A control request's body (JSON, gzip'd or zlib'd JSON) as ``Fields``; {} when empty.
-    The compressed forms are told by their first bytes, which JSON never starts with."""
-    if raw[:2] == b"\x1f\x8b":
-        raw = _inflate(raw, 31)  # 16 + 15: a gzip header and trailer
-    elif len(raw) >= 2 and raw[0] == 0x78 and (raw[0] << 8 | raw[1]) % 31 == 0:
-        raw = _inflate(raw, 15)  # a zlib header (Content-Encoding: deflate)
-    if not raw.strip():
-        return Fields({})
-    try:
-        doc = json.loads(raw)
-    except RecursionError as exc:  # nesting deeper than the parser's stack
-        raise BadRequest("request body is not JSON: nested too deeply") from exc
-    except ValueError as exc:  # also UnicodeDecodeError and too-long integers
-        raise BadRequest(f"request body is not JSON: {exc}") from exc
-    return Fields(doc)
+    """A control request's body (JSON, gzip'd or zlib'd JSON) as ``Fields``; {} when empty."""
+    return Fields(decode_json(raw))
 
 
 async def _body(request: web.Request) -> Fields:

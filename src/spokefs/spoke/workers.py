@@ -27,10 +27,12 @@ from pathlib import Path
 from typing import Any
 
 from spokefs.errors import ConfigError
+from spokefs.procs import Child, StartError, cli
 from spokefs.spoke.service import SpokeConfig
 
 log = logging.getLogger(__name__)
 
+WORKER_READY = "spokefs spoke-worker listening on"
 MAX_DEFAULT_WORKERS = 16  # each worker holds its own decoded manifests (up to ~100 MB each)
 
 
@@ -77,49 +79,43 @@ class Worker:
         self.sock = sock
         self.config = config
         self.unix_path = unix_path
-        self.proc: subprocess.Popen[str] | None = None
-        self.ready = threading.Event()
+        self.child: Child | None = None
         self.restarts = 0
 
     @property
     def role(self) -> str:
         return "primary" if self.index == 0 else "replica"
 
-    def start(self) -> None:
-        self.ready.clear()
-        args = [sys.executable, "-m", "spokefs.cli", "spoke", "_worker", "--role", self.role,
-                "--index", str(self.index), "--listen-fd", str(self.sock.fileno()),
-                "--unix", str(self.unix_path), "--config", config_json(self.config)]
-        self.proc = subprocess.Popen(args, stdout=subprocess.PIPE, text=True, bufsize=1,
-                                     pass_fds=[self.sock.fileno()])
-        threading.Thread(target=self._relay, args=(self.proc,), daemon=True).start()
+    @property
+    def proc(self) -> subprocess.Popen[str] | None:
+        return None if self.child is None else self.child.proc
 
-    def _relay(self, proc: subprocess.Popen[str]) -> None:
-        assert proc.stdout is not None
-        for line in proc.stdout:
-            if line.startswith("spokefs spoke-worker listening on"):
-                self.ready.set()
-                continue
-            sys.stdout.write(line)
-            sys.stdout.flush()
+    def start(self) -> None:
+        args = cli("spoke", "_worker", "--role", self.role, "--index", str(self.index),
+                   "--listen-fd", str(self.sock.fileno()), "--unix", str(self.unix_path),
+                   "--config", config_json(self.config))
+        # Its log (stderr) goes where the supervisor's goes; its stdout is relayed, but for
+        # the ready line, which only the supervisor reads.
+        self.child = Child(args, lambda line: line.startswith(WORKER_READY),
+                           name=f"spoke worker {self.index} ({self.role})", merge_stderr=False,
+                           on_line=_relay, pass_fds=[self.sock.fileno()], keep_output=False,
+                           ).launch()
 
     def wait_ready(self, timeout: float) -> None:
-        end = time.monotonic() + timeout
-        while not self.ready.wait(0.1):
-            if self.proc is not None and self.proc.poll() is not None:
-                raise ConfigError(f"spoke worker {self.index} ({self.role}) exited with "
-                                  f"{self.proc.returncode} while starting; see its log above")
-            if time.monotonic() > end:
-                raise ConfigError(f"spoke worker {self.index} did not start in {timeout:g}s")
+        assert self.child is not None
+        try:
+            self.child.wait_ready(timeout)
+        except StartError as exc:
+            raise ConfigError(f"{exc}\n(see its log above)") from None
 
     def stop(self, timeout: float = 20.0) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(timeout)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
+        if self.child is not None:
+            self.child.stop(timeout)
+
+
+def _relay(line: str) -> None:
+    sys.stdout.write(line)
+    sys.stdout.flush()
 
 
 def serve_workers(config: SpokeConfig, host: str, port: int, n: int) -> int:

@@ -12,7 +12,6 @@ Every POST answers with the status after the change; a bad body is a 400 with th
 
 from __future__ import annotations
 
-import json
 from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, Any
 
@@ -20,21 +19,17 @@ from aiohttp import web
 
 from spokefs.errors import BadRequest, ConfigError, SpokeError
 from spokefs.units import parse_duration
+from spokefs.wire.bodies import json_body
 
 if TYPE_CHECKING:
     from spokefs.wan.proxy import WanLink
 
+MAX_BODY = 1 << 20  # a control body is a few fields (aiohttp's own default bound)
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
 
 async def _body(request: web.Request) -> dict[str, Any]:
-    raw = await request.read()
-    if not raw.strip():
-        return {}
-    try:
-        body = json.loads(raw)
-    except ValueError as exc:
-        raise BadRequest(f"the body is not JSON: {exc}") from exc
+    body = await json_body(request, MAX_BODY)
     if not isinstance(body, dict):
         raise BadRequest("the body must be a JSON object")
     return body

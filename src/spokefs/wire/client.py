@@ -98,13 +98,12 @@ class UpstreamClient:
             self._session = None
 
     async def _get(self, path: str, headers: dict[str, str] | None = None,
-                   method: str = "GET", limit: int | None = None
-                   ) -> tuple[int, dict[str, str], bytes]:
-        status, headers, body, _ = await self._get_timed(path, headers, method, limit=limit)
+                   limit: int | None = None) -> tuple[int, dict[str, str], bytes]:
+        status, headers, body, _ = await self._get_timed(path, headers, limit=limit)
         return status, headers, body
 
     async def _get_timed(self, path: str, headers: dict[str, str] | None = None,
-                         method: str = "GET", on_bytes: Callable[[int], None] | None = None,
+                         on_bytes: Callable[[int], None] | None = None,
                          limit: int | None = None
                          ) -> tuple[int, dict[str, str], bytes, float]:
         """_get, and the time.monotonic() at which the response's headers arrived;
@@ -113,11 +112,9 @@ class UpstreamClient:
         url = f"{self.base_url}{path}"
         limit = self.max_json_bytes if limit is None else limit
         try:
-            async with self.session.request(method, url, headers=headers) as resp:
+            async with self.session.get(url, headers=headers) as resp:
                 first_byte = self.last_received = time.monotonic()
-                # A HEAD answer's Content-Length is the object's size; it has no body.
-                body = b"" if method == "HEAD" else await self._body(
-                    resp, limit, f"{method} {path}", on_bytes)
+                body = await self._body(resp, limit, f"GET {path}", on_bytes)
                 return resp.status, dict(resp.headers), body, first_byte
         except aiohttp.ClientConnectorCertificateError as exc:
             raise untrusted(self.base_url, exc.certificate_error) from exc
@@ -215,16 +212,6 @@ class UpstreamClient:
             raise Transient(f"short read from upstream: {len(body)} of {want} bytes")
         digest = headers.get(H_DIGEST)
         return Block(body, bytes.fromhex(digest) if digest else None, size, first_byte)
-
-    async def block_size(self, dataset: str) -> int:
-        return int((await self.get_json(f"/v1/datasets/{dataset}"))["block_size"])
-
-    async def head_object(self, dataset: str, version: str) -> tuple[int, int]:
-        """(size, block_size) of a version."""
-        path = f"/v1/datasets/{dataset}/objects/{version}"
-        status, headers, body = await self._get(path, method="HEAD")
-        self._check(status, body, path)
-        return int(headers["Content-Length"]), int(headers.get(H_BLOCK_SIZE, 0))
 
 
 def raise_for_status(status: int, body: bytes, what: str) -> None:

@@ -14,7 +14,6 @@ import asyncio
 import errno
 import functools
 import html
-import json
 import logging
 import os
 import socket
@@ -29,10 +28,22 @@ from prometheus_client import CONTENT_TYPE_LATEST, Counter, generate_latest
 
 from spokefs.audit import Audit
 from spokefs.errors import BadRequest, NotFound, RangeNotSatisfiable, SpokeError, Unauthorized
-from spokefs.manifest import FileEntry
+from spokefs.manifest import FileEntry, is_snapshot_id
+from spokefs.ui import PUBLIC_PATHS, ui_routes
 from spokefs.wire.auth import Forbidden, Token, TokenFile
 from spokefs.wire.backend import Backend, BlockPart, FileSegment, ReadContext, Segment
+from spokefs.wire.bodies import json_body
 from spokefs.wire.frames import HEADER_SIZE, encode_header
+from spokefs.wire.headers import (
+    H_AUTH_ADMIN,
+    H_AUTH_NAME,
+    H_BLOCK_SIZE,
+    H_DIGEST,
+    H_JOB,
+    H_READER,
+    H_SNAPSHOT,
+    H_VERSION,
+)
 from spokefs.wire.paths import check_dataset_name, clean_path, split_dataset_ref
 from spokefs.wire.ranges import parse_range
 
@@ -41,6 +52,7 @@ log = logging.getLogger(__name__)
 MANIFEST_TYPE = "application/vnd.spokefs.manifest+json"
 BLOCKS_TYPE = "application/vnd.spokefs.blocks"
 MAX_BATCH = 4096             # blocks in one batch read
+MAX_BATCH_BODY = 1 << 20     # bytes of a batch read's body (MAX_BATCH blocks is ~200 KiB)
 _COALESCE = 1 << 20          # small frames are gathered into writes of about this size
 _SMALL_PAYLOAD = 256 * 1024  # a file payload up to this is read and gathered, not sendfile'd
 _GATHER = 1 << 20            # a read up to this is answered in one piece
@@ -345,14 +357,7 @@ class Api:
         """Many whole blocks in one response, each framed with its digest (docs/protocol.md,
         "Batch reads"); a block that cannot be read is an error frame, not a failed batch."""
         ds = check_dataset_name(request.match_info["ds"])
-        raw = await request.content.read(1 << 20 + 1)
-        if len(raw) > 1 << 20:
-            raise BadRequest("a batch read's body is at most 1 MiB")
-        try:
-            doc = json.loads(raw)
-        except ValueError as exc:
-            raise BadRequest(f"a batch read's body is not JSON: {exc}") from exc
-        blocks = parse_block_list(doc)
+        blocks = parse_block_list(await json_body(request, MAX_BATCH_BODY))
         parts = await self.backend.read_blocks(ds, blocks)
         resp = web.StreamResponse(status=200, headers={"Content-Type": BLOCKS_TYPE})
         resp.content_length = sum(HEADER_SIZE + p.length for p in parts)

@@ -3,7 +3,7 @@
 Each scenario registers by name: whether it crosses the link, why it cannot run here (or
 None), and a context manager that sets up its reader (spoke, mount, peer mount, staged copy),
 yields a ``Prepared`` and tears everything down. Services run as real processes
-(``bench.procs.Service``); the link is ``spokefs wan`` in front of the hub.
+(``spokefs.procs.Service``); the link is ``spokefs wan`` in front of the hub.
 """
 
 from __future__ import annotations
@@ -15,8 +15,6 @@ import json
 import os
 import shutil
 import subprocess
-import sys
-import time
 import urllib.request
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -25,10 +23,11 @@ from typing import Any
 
 from torch.utils.data import Sampler
 
-from spokefs.bench.procs import Service, spoke_args
 from spokefs.bench.training.datasets import BuiltDataset
 from spokefs.bench.training.loop import EpochSampler
 from spokefs.bench.training.openers import FileOpener, FsspecOpener, HttpOpener, Opener
+from spokefs.mount.process import MountError, fuse_unusable, unmount, wait_mounted
+from spokefs.procs import Service, cli, spoke_args
 
 MiB = 1 << 20
 
@@ -101,41 +100,23 @@ def spoke_counters(spoke_url: str) -> tuple[float, float]:
     return found["spokefs_cache_hits_total"], found["spokefs_cache_misses_total"]
 
 
-def _cli(*args: str) -> list[str]:
-    return [sys.executable, "-m", "spokefs.cli", *args]
-
-
-def _wait_mounted(mp: Path, timeout: float, proc: subprocess.Popen[bytes] | None = None) -> bool:
-    end = time.monotonic() + timeout
-    while time.monotonic() < end:
-        if os.path.ismount(mp):
-            return True
-        if proc is not None and proc.poll() is not None:
-            return False
-        time.sleep(0.05)  # waiting for another process's mount: nothing to block on
-    return False
-
-
-def _fuse_unmount(mp: Path) -> None:
-    if os.path.ismount(mp):
-        subprocess.run(["fusermount3", "-u", "-z", str(mp)], capture_output=True, check=False)
-
-
 @contextlib.contextmanager
 def spokefs_mount(url: str, mp: Path, log: Path) -> Iterator[None]:
     """``spokefs mount URL MP`` (it returns once the mount works), ``spokefs umount`` after."""
     mp.mkdir(parents=True, exist_ok=True)
-    r = subprocess.run(_cli("mount", url, str(mp), "--log-file", str(log)),
+    r = subprocess.run(cli("mount", url, str(mp), "--log-file", str(log)),
                        capture_output=True, text=True, timeout=120, check=False)
     if r.returncode != 0 or not os.path.ismount(mp):
-        _fuse_unmount(mp)
+        with contextlib.suppress(OSError):
+            unmount(mp)
         raise RuntimeError(f"spokefs mount failed (exit {r.returncode}): "
                            f"{(r.stderr or r.stdout).strip()[-400:]}")
     try:
         yield
     finally:
-        subprocess.run(_cli("umount", str(mp)), capture_output=True, timeout=60, check=False)
-        _fuse_unmount(mp)
+        subprocess.run(cli("umount", str(mp)), capture_output=True, timeout=60, check=False)
+        with contextlib.suppress(OSError):
+            unmount(mp)
 
 
 @contextlib.contextmanager
@@ -299,9 +280,7 @@ async def stage_copy(base: str, dataset: str, snapshot: str, dest: Path, infligh
 def _rclone_unavailable() -> str | None:
     if shutil.which("rclone") is None:
         return "rclone is not installed"
-    if shutil.which("fusermount3") is None or not os.path.exists("/dev/fuse"):
-        return "no FUSE here (fusermount3 or /dev/fuse missing)"
-    return None
+    return fuse_unusable(need_pyfuse3=False)
 
 
 @contextlib.contextmanager
@@ -320,14 +299,17 @@ def _rclone(env: Env, link: str | None) -> Iterator[Prepared]:
     proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
                             stderr=subprocess.DEVNULL)
     try:
-        if not _wait_mounted(mp, 30, proc):
-            raise RuntimeError(f"rclone mount did not come up; see {log}")
+        try:
+            wait_mounted(mp, proc, 30)
+        except MountError as exc:
+            raise RuntimeError(f"rclone mount did not come up ({exc}); see {log}") from None
         version = subprocess.run(["rclone", "version"], capture_output=True, text=True,
                                  check=False).stdout.splitlines()[:1]
         yield Prepared(FileOpener(mp, f"rclone mount :http: --vfs-cache-mode full "
                                   f"({' '.join(version)})"), "rclone")
     finally:
-        _fuse_unmount(mp)
+        with contextlib.suppress(OSError):
+            unmount(mp)
         try:
             proc.wait(15)
         except subprocess.TimeoutExpired:
