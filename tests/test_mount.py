@@ -30,11 +30,11 @@ sys.path.insert(0, str(Path(__file__).parent))
 
 from servers import ServerProcess, hub, make_dataset, spoke
 from spokefs.cache.inspect import blocks_on_disk
-from spokefs.errors import ConfigError, Transient
+from spokefs.errors import ConfigError, ReadFailed, SpokeError, Transient
 from spokefs.mount import sysfs
 from spokefs.mount.coalesce import Coalescer
 from spokefs.mount.process import MountError, MountProcess, fuse_unusable, unmount
-from spokefs.mount.source import ReadFailed, Target, retry_until
+from spokefs.mount.source import Target, retry_until
 
 FUSE_REASON = fuse_unusable()
 needs_fuse = pytest.mark.skipif(FUSE_REASON is not None, reason=f"no FUSE: {FUSE_REASON}")

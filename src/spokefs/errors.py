@@ -173,6 +173,11 @@ class Transient(Exception):
     a body cut short)."""
 
 
+class ReadFailed(Exception):
+    """A mount's read that could not be answered; the message says why (logged with the EIO
+    the reader gets)."""
+
+
 def from_status(status: int, body: dict | None, fallback: str) -> SpokeError:
     """Rebuild the error a peer sent as JSON (client side of the wire protocol)."""
     err = (body or {}).get("error", {}) if isinstance(body, dict) else {}

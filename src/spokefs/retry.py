@@ -1,9 +1,16 @@
-"""Backoff schedule for retries against an upstream (sans-I/O: delays, not sleeps)."""
+"""Retrying against an upstream: the backoff schedule (sans-I/O: delays, not sleeps) and the
+one "retry until the deadline" loop that the spoke, its replica workers and the mount share."""
 
 from __future__ import annotations
 
+import asyncio
 import random
-from collections.abc import Iterator
+from collections.abc import Awaitable, Callable, Iterator
+from typing import TypeVar
+
+from spokefs.errors import Transient
+
+T = TypeVar("T")
 
 
 def backoff_delays(first: float = 0.05, cap: float = 2.0, factor: float = 2.0,
@@ -15,3 +22,41 @@ def backoff_delays(first: float = 0.05, cap: float = 2.0, factor: float = 2.0,
     while True:
         yield ceiling * (0.5 + 0.5 * r.random())
         ceiling = min(cap, ceiling * factor)
+
+
+async def retrying(attempt: Callable[[], Awaitable[T]], deadline: float,
+                   give_up: Callable[[str], Exception], *,
+                   on_transient: Callable[[Transient], None] | None = None,
+                   bound_attempts: bool = False, first: float = 0.05, cap: float = 2.0,
+                   now: Callable[[], float] | None = None,
+                   sleep: Callable[[float], Awaitable[None]] = asyncio.sleep) -> T:
+    """``attempt()``, retried after each ``Transient`` with backoff for ``deadline`` seconds
+    (the last pause ends at the deadline, for one last try); then ``give_up(cause)`` is
+    raised. ``bound_attempts``: an attempt still running at the deadline is cut short too
+    (a hung upstream cannot outlast it). ``now`` and ``sleep``: a clock for tests."""
+    clock = now or asyncio.get_running_loop().time
+    end = clock() + deadline
+    cause, last = "no attempt made", None
+    for delay in backoff_delays(first, cap):
+        try:
+            if not bound_attempts:
+                return await attempt()
+            left = end - clock()
+            if left <= 0:
+                break
+            async with asyncio.timeout(left):
+                return await attempt()
+        except Transient as exc:
+            cause, last = str(exc), exc
+            if on_transient is not None:
+                on_transient(exc)
+        except TimeoutError as exc:
+            if not bound_attempts:
+                raise
+            cause, last = f"no answer within {deadline:g}s", exc
+            break
+        left = end - clock()
+        if left <= 0:
+            break
+        await sleep(min(delay, left))
+    raise give_up(cause) from last

@@ -50,7 +50,7 @@ import shutil
 import sqlite3
 import threading
 import time
-from collections.abc import Callable, Container, Iterator
+from collections.abc import Callable, Container, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -814,6 +814,13 @@ class BlockStore:
 
     def unpin(self, key: BlockKey) -> None:
         self.policy.unpin(key)
+
+    def set_future(self, keys: Sequence[BlockKey], stream: str, append: bool = False) -> None:
+        """The blocks a job will read, in order (a policy that looks ahead evicts by it;
+        others ignore it). ``append``: after what the stream was told before."""
+        fn = getattr(self.policy, "extend_future" if append else "set_future", None)
+        if fn is not None:
+            fn(keys, stream)
 
     def disk_bytes(self) -> int:
         return self._segs.disk_bytes()

@@ -18,8 +18,8 @@ from typing import NoReturn, Protocol
 
 import pyfuse3
 
+from spokefs.errors import ReadFailed
 from spokefs.mount.inodes import Attr, InodeTable
-from spokefs.mount.source import ReadFailed
 
 log = logging.getLogger(__name__)
 

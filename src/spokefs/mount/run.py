@@ -21,12 +21,13 @@ from pathlib import Path
 import pyfuse3
 import pyfuse3.asyncio
 
-from spokefs.errors import ConfigError, UpstreamUnavailable
+from spokefs.errors import ConfigError, ReadFailed, UpstreamUnavailable
 from spokefs.mount import sysfs
 from spokefs.mount.coalesce import Coalescer
 from spokefs.mount.fs import SnapshotFS
 from spokefs.mount.inodes import InodeTable
-from spokefs.mount.source import EmbeddedSource, ReadFailed, Source, Target, UpstreamSource
+from spokefs.mount.process import unmount
+from spokefs.mount.source import EmbeddedSource, Source, Target, UpstreamSource
 from spokefs.units import format_size
 
 log = logging.getLogger(__name__)

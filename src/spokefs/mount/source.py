@@ -25,6 +25,7 @@ from spokefs.client.urls import parse_url
 from spokefs.errors import (
     ConfigError,
     RangeNotSatisfiable,
+    ReadFailed,
     SpokeError,
     Transient,
     UpstreamUnavailable,
@@ -62,10 +63,6 @@ class Target:
         return f"{self.base}/{self.dataset}@{self.snapshot}"
 
 
-class ReadFailed(Exception):
-    """A read that could not be answered; the message says why (logged with the EIO)."""
-
-
 class Source(Protocol):
     target: Target
     deadline: float
@@ -80,25 +77,10 @@ async def retry_until(deadline: float, what: str, attempt: Callable[[], Awaitabl
                       sleep: Callable[[float], Awaitable[None]] = asyncio.sleep) -> T:
     """Run ``attempt`` until it succeeds, retrying ``Transient`` with backoff; each attempt
     and the whole run are bounded by ``deadline`` seconds, then ``ReadFailed``."""
-    clock = now or asyncio.get_running_loop().time
-    give_up = clock() + deadline
-    cause = "no attempt made"
-    for delay in backoff_delays(first=0.02, cap=0.5):
-        left = give_up - clock()
-        if left <= 0:
-            break
-        try:
-            async with asyncio.timeout(left):
-                return await attempt()
-        except Transient as exc:
-            cause = str(exc)
-        except TimeoutError:
-            cause = f"no answer within {deadline:g}s"
-            break
-        if clock() + delay >= give_up:
-            break
-        await sleep(delay)
-    raise ReadFailed(f"{what}: upstream unavailable for {deadline:g}s ({cause})")
+    return await retrying(
+        attempt, deadline, bound_attempts=True, first=0.02, cap=0.5, now=now, sleep=sleep,
+        give_up=lambda cause: ReadFailed(f"{what}: upstream unavailable for {deadline:g}s "
+                                         f"({cause})"))
 
 
 class UpstreamSource:

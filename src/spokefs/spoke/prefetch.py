@@ -21,7 +21,7 @@ from typing import Any, Protocol
 
 from spokefs import planner as pl
 from spokefs.manifest import Manifest
-from spokefs.policy import BlockKey, EvictionPolicy
+from spokefs.policy import BlockKey
 
 log = logging.getLogger(__name__)
 
@@ -32,11 +32,11 @@ MAX_SAVED_WORKING_SETS = 256
 
 
 class CacheFacts(Protocol):
-    policy: EvictionPolicy
-
     def __contains__(self, key: object) -> bool: ...
     def pin(self, key: BlockKey) -> None: ...
     def unpin(self, key: BlockKey) -> None: ...
+    def set_future(self, keys: Sequence[BlockKey], stream: str, append: bool = False
+                   ) -> None: ...
     def kv_set(self, key: str, value: str) -> None: ...
     def kv_delete(self, key: str) -> None: ...
     def kv_items(self, prefix: str) -> list[tuple[str, str]]: ...
@@ -149,9 +149,7 @@ class PrefetchDriver:
             elif isinstance(a, pl.Unpin):
                 cache.unpin(a.key)
             elif isinstance(a, pl.SetFuture):
-                fn = getattr(cache.policy, "extend_future" if a.append else "set_future", None)
-                if fn is not None:
-                    fn(a.keys, a.stream)  # one stream per job: jobs don't overwrite
+                cache.set_future(a.keys, a.stream, a.append)  # a stream per job
             elif isinstance(a, pl.WorkingSetLearned):
                 key = f"{_WS_PREFIX}{a.dataset}:{a.job}"
                 cache.kv_set(key, json.dumps(a.working_set.to_json()))

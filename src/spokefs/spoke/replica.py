@@ -138,18 +138,11 @@ class ReplicaBackend:
     # -- talking to the primary --------------------------------------------------------------
     async def _call(self, what: str, fn: Any, *args: Any) -> Any:
         """A request to the primary, retried while it restarts, up to the deadline."""
-        end = time.monotonic() + self.deadline
-        for delay in backoff_delays(first=0.02, cap=0.5):
-            try:
-                return await fn(*args)
-            except Transient as exc:
-                left = end - time.monotonic()
-                if left <= 0:
-                    raise UpstreamUnavailable(
-                        f"the spoke's primary worker did not answer for {self.deadline:g}s "
-                        f"({what}): {exc}", "primary worker", str(exc)) from exc
-                await asyncio.sleep(min(delay, left))
-        raise AssertionError("unreachable")
+        return await retrying(
+            lambda: fn(*args), self.deadline, first=0.02, cap=0.5,
+            give_up=lambda cause: UpstreamUnavailable(
+                f"the spoke's primary worker did not answer for {self.deadline:g}s ({what}): "
+                f"{cause}", "primary worker", cause))
 
     async def forward(self, request: web.Request) -> web.Response:
         """Pass a request to the primary and its answer back."""

@@ -243,13 +243,10 @@ class SpokeRoutes:
     async def order(self, request: web.Request) -> web.Response:
         ds, job = check_dataset_name(request.match_info["ds"]), _job(request)
         doc = await _body(request)
-        if self.backend.prefetch is None:
-            raise BadRequest("this spoke runs without prefetch (--no-prefetch)")
         m = await self._manifest(ds, doc)
         # Checked whole before the planner sees it: a bad entry leaves no order behind.
         epoch, files, ranges = parse_order(m, doc)
-        self.backend.prefetch.use_manifest(m)
-        self.backend.prefetch.announce(ds, job, epoch, files, ranges)
+        self.backend.announce(m, job, epoch, files, ranges)
         return web.json_response({"dataset": ds, "snapshot": m.snapshot, "job": job,
                                   "files": len(files),
                                   "bytes": sum(m.sizes[i] for i in files)})
@@ -257,14 +254,23 @@ class SpokeRoutes:
     async def epoch(self, request: web.Request) -> web.Response:
         ds, job = check_dataset_name(request.match_info["ds"]), _job(request)
         epoch = (await _body(request)).integer("epoch")
-        if self.backend.prefetch is not None:
-            self.backend.prefetch.epoch(ds, job, epoch)
+        self.backend.epoch(ds, job, epoch)
         return web.json_response({"dataset": ds, "job": job, "epoch": epoch})
+
+    async def steps(self, request: web.Request) -> web.Response:
+        """``{"steps": [[data_wait_s, step_s], ...]}``: a training job's batches, for the
+        data-wait share next to the cache's state (spoke.jobsignal; ``spokefs.torch``)."""
+        ds, job = check_dataset_name(request.match_info["ds"]), _job(request)
+        raw = (await _body(request)).items("steps", list, "[data_wait_s, step_s] pairs",
+                                           MAX_STEPS)
+        if raw is None:
+            raise BadRequest('a step report needs "steps": [[data_wait_s, step_s], ...]')
+        js = self.backend.jobs.report(ds, job, check_steps(raw), time.monotonic())
+        return web.json_response({"dataset": ds, "job": job, "steps": js.steps})
 
     async def end_job(self, request: web.Request) -> web.Response:
         ds, job = check_dataset_name(request.match_info["ds"]), _job(request)
-        if self.backend.prefetch is not None:
-            self.backend.prefetch.job_ended(ds, job)
+        self.backend.end_job(ds, job)
         return web.json_response({"dataset": ds, "job": job, "ended": True})
 
     async def warm(self, request: web.Request) -> web.Response:

@@ -49,12 +49,14 @@ from spokefs.linkmodel import LinkModel
 from spokefs.manifest import Manifest, is_snapshot_id
 from spokefs.planner import Planner
 from spokefs.policy import POLICIES, BlockKey, EvictionPolicy, make_policy
-from spokefs.retry import backoff_delays
+from spokefs.retry import retrying
 from spokefs.spoke.datasets import DatasetConfig
 from spokefs.spoke.fetcher import Block, Fetcher
-from spokefs.spoke.metrics import SpokeMetrics
+from spokefs.spoke.jobsignal import JobSignal
+from spokefs.spoke.metrics import JobMetrics, SpokeMetrics
 from spokefs.spoke.prefetch import PrefetchDriver
 from spokefs.tasks import Tasks
+from spokefs.units import format_size
 from spokefs.wire.backend import (
     BlockPart,
     DatasetInfo,
@@ -220,24 +222,18 @@ class SpokeBackend:
     async def _retrying(self, what: str, fn: Any, *args: Any) -> Any:
         """Call an upstream coroutine, retrying transient failures with backoff until the
         deadline; then UpstreamUnavailable naming the upstream and the cause."""
-        loop = asyncio.get_running_loop()
-        deadline = loop.time() + self.config.deadline
-        for delay in backoff_delays():
-            try:
-                result = await fn(*args)
-                self._last_upstream_error = None
-                return result
-            except Transient as exc:
-                self.metrics.upstream_errors.labels("transient").inc()
-                self._last_upstream_error = str(exc)
-                remaining = deadline - loop.time()
-                if remaining <= 0:
-                    raise UpstreamUnavailable(
-                        f"upstream {self.config.upstream} unreachable for "
-                        f"{self.config.deadline:g}s while fetching {what}: {exc}",
-                        self.config.upstream, str(exc)) from exc
-                await asyncio.sleep(min(delay, remaining))  # one last try at the deadline
-        raise AssertionError("unreachable")
+        def failed(exc: Transient) -> None:
+            self.metrics.upstream_errors.labels("transient").inc()
+            self._last_upstream_error = str(exc)
+
+        up, dl = self.config.upstream, self.config.deadline
+        result = await retrying(
+            lambda: fn(*args), dl, on_transient=failed,
+            give_up=lambda cause: UpstreamUnavailable(
+                f"upstream {up} unreachable for {dl:g}s while fetching {what}: {cause}",
+                up, cause))
+        self._last_upstream_error = None
+        return result
 
     async def dataset(self, name: str) -> DatasetInfo:
         now = time.monotonic()
@@ -691,6 +687,23 @@ class SpokeBackend:
                                   ctx.job)
 
     # -- warm-up, residency, purge -----------------------------------------------------------
+    # -- announced orders (the routes' way to the planner) --------------------------------------
+    def announce(self, m: Manifest, job: str, epoch: int, files: list[int],
+                 ranges: list[tuple[int, int]] | None) -> None:
+        """A job's order of ``m``'s files for an epoch (checked whole by the caller)."""
+        if self.prefetch is None:
+            raise BadRequest("this spoke runs without prefetch (--no-prefetch)")
+        self.prefetch.use_manifest(m)
+        self.prefetch.announce(m.dataset, job, epoch, files, ranges)
+
+    def epoch(self, dataset: str, job: str, epoch: int) -> None:
+        if self.prefetch is not None:
+            self.prefetch.epoch(dataset, job, epoch)
+
+    def end_job(self, dataset: str, job: str) -> None:
+        if self.prefetch is not None:
+            self.prefetch.job_ended(dataset, job)
+
     def warm(self, m: Manifest, files: list[int], pin: bool = False) -> dict[str, int]:
         """Fetch every block of ``files`` in the background (behind demand reads), optionally
         pinned; returns what it will fetch. Progress: ``residency``."""

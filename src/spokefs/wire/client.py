@@ -29,7 +29,7 @@ import aiohttp
 from spokefs.errors import BadUpstream, Transient, from_status
 from spokefs.manifest import MAX_MANIFEST_BLOB, MAX_MANIFEST_BYTES, Manifest
 from spokefs.wire.auth import FROM_ENV, bearer, client_token
-from spokefs.wire.server import H_BLOCK_SIZE, H_DIGEST
+from spokefs.wire.headers import H_DIGEST
 from spokefs.wire.tls import client_context, untrusted
 
 MAX_JSON_BYTES = 16 << 20

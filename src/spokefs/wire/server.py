@@ -56,12 +56,6 @@ MAX_BATCH_BODY = 1 << 20     # bytes of a batch read's body (MAX_BATCH blocks is
 _COALESCE = 1 << 20          # small frames are gathered into writes of about this size
 _SMALL_PAYLOAD = 256 * 1024  # a file payload up to this is read and gathered, not sendfile'd
 _GATHER = 1 << 20            # a read up to this is answered in one piece
-H_BLOCK_SIZE = "X-Spokefs-Block-Size"
-H_DIGEST = "X-Spokefs-Block-Digest"  # hex xxh3-128 of the block, on single-block reads
-H_VERSION = "X-Spokefs-Version"
-H_SNAPSHOT = "X-Spokefs-Snapshot"
-H_READER = "X-Spokefs-Reader"  # names one sequential stream (a worker, a file handle)
-H_JOB = "X-Spokefs-Job"        # names the training job, for announced orders and learning
 
 BACKEND_KEY = web.AppKey("backend", Backend)
 
@@ -513,9 +507,8 @@ JOB_ROUTES = frozenset({
     ("DELETE", "/v1/datasets/{ds}/jobs/{job}"),
 })
 # A replica worker forwards requests it has checked to the primary over the cache folder's
-# unix socket (trusted: only this host's spoke user can reach it), saying whose they are.
-H_AUTH_NAME = "X-Spokefs-Auth-Name"
-H_AUTH_ADMIN = "X-Spokefs-Auth-Admin"
+# unix socket (trusted: only this host's spoke user can reach it), saying whose they are
+# (H_AUTH_NAME, H_AUTH_ADMIN).
 AUTH_KEY = web.AppKey("auth", TokenFile)
 # What else SIGHUP reads again (a spoke's dataset rules): callables, run in order.
 RELOAD_KEY = web.AppKey("reload", list)

@@ -1,0 +1,13 @@
+"""The protocol's own HTTP header names: one place that servers and clients both import."""
+
+H_BLOCK_SIZE = "X-Spokefs-Block-Size"
+H_DIGEST = "X-Spokefs-Block-Digest"  # hex xxh3-128 of the block, on single-block reads
+H_VERSION = "X-Spokefs-Version"
+# The snapshot a read resolved to (answers), or the one a reader reads from (requests: a
+# spoke keeps a snapshot's files cached while readers name it).
+H_SNAPSHOT = "X-Spokefs-Snapshot"
+H_READER = "X-Spokefs-Reader"  # names one sequential stream (a worker, a file handle)
+H_JOB = "X-Spokefs-Job"        # names the training job, for announced orders and learning
+# Whose request a replica worker forwards to its primary (over the Unix socket only).
+H_AUTH_NAME = "X-Spokefs-Auth-Name"
+H_AUTH_ADMIN = "X-Spokefs-Auth-Admin"
