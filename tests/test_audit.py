@@ -132,6 +132,14 @@ def test_a_purge_is_recorded(stack) -> None:
                       and r["dataset"] == "ds")
     assert purged and sum(r["bytes"] for r in purged) == freed
     assert all(r["blocks"] > 0 for r in purged)
+    # Who ran it, once (whichever worker answered), and a refused one too.
+    (who,) = wait_for(root / "spoke.audit", lambda r: r["event"] == "admin"
+                      and r["path"] == "/v1/purge" and r["status"] == 200)
+    assert who["token"] == "admin" and who["method"] == "POST" and who["remote"]
+    assert get(f"{s.url}/v1/datasets/ds/warm", ADMIN, "POST", {"paths": ["nope"]}).status == 400
+    (bad,) = wait_for(root / "spoke.audit", lambda r: r["event"] == "admin"
+                      and r["path"] == "/v1/datasets/ds/warm")
+    assert bad["status"] == 400 and bad["token"] == "admin"
 
 
 def test_no_file_means_no_log_and_lines_are_json(tmp_path: Path) -> None:

@@ -34,6 +34,7 @@ def test_race_tiny(tmp_path: Path) -> None:
               "--tools", "local,spokefs,spokefs_hints,http_direct", *TINY)
     params, results, floors = doc["params"], doc["results"], doc["floors"]
     assert params["rtt_s"] == pytest.approx(0.010)
+    assert params["tokens"] is True  # hub and spoke ran with --auth; every tool had a token
     assert params["bandwidth_Bps"] == pytest.approx(100e6)
     sizes = params["dataset_bytes"]
     assert sizes == {"shards": 2 * 5 * 2**20, "small": 24 * 16 * 2**10}

@@ -11,8 +11,9 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+import urllib3
 
-from spokefs.bench.chaos import CASES, Result, Scale, run_case
+from spokefs.bench.chaos import CASES, Dataset, Lab, Result, Scale, run_case
 
 CI = Scale.ci()
 
@@ -102,3 +103,22 @@ def test_every_case_has_a_test() -> None:
     here = Path(__file__).read_text()
     for name in CASES:
         assert f'run("{name}"' in here, f"case {name} has no test"
+
+
+@pytest.mark.timeout(60)
+def test_the_cases_run_with_tokens_as_deployed(tmp_path: Path) -> None:
+    """Every case's hub and spoke run with --auth: without the lab's token a request is
+    refused at each hop, with it (and through the spoke's own upstream token) it is served."""
+    lab = Lab(tmp_path)
+    try:
+        ds = Dataset(tmp_path / "ds", CI)
+        hub = lab.hub(ds, CI)
+        sp = lab.spoke(hub.url, "cache")
+        bare = urllib3.PoolManager(retries=False)
+        for base in (hub.url, sp.url):
+            assert bare.request("GET", f"{base}/ds/empty.txt").status == 401
+        rel = next(p for p in ds.files if p.startswith("class"))
+        r = lab.get(f"{sp.url}/ds/{rel}")
+        assert r.status == 200 and r.data == ds.files[rel]
+    finally:
+        lab.close()

@@ -94,6 +94,13 @@ class Audit:
             fields["complete"] = False  # the client left, or the read failed, mid-body
         self.write("read", **fields)
 
+    def admin(self, request: web.Request, status: int) -> None:
+        """An operator action answered (purge, warm-up, unpin, snapshot, residency,
+        inventory): who asked what, and how it ended."""
+        if self.enabled and not _internal(request):  # a replica logs what it forwards
+            self.write("admin", token=_token_name(request), method=request.method,
+                       path=request.path, status=status, remote=_remote(request))
+
     def refused(self, request: web.Request, status: int, reason: str,
                 token: str | None = None) -> None:
         """A 401 or 403. ``reason`` is the message the client got (it names tokens, never

@@ -40,10 +40,10 @@ from typing import Any
 import urllib3
 
 import spokefs
-from spokefs.bench.common import machine, table, write_json
-from spokefs.bench.procs import Service
+from spokefs.bench.common import BenchTokens, machine, table, write_json
 from spokefs.cache.inspect import blocks_on_disk, cached_versions, store_check
 from spokefs.manifest import Manifest
+from spokefs.procs import Service
 from spokefs.wan import WanLinkThread
 
 DATASET = "ds"
@@ -194,12 +194,6 @@ class Dataset:
 
 
 # -- processes -------------------------------------------------------------------------------
-def _fuse_reason() -> str | None:
-    from spokefs.mount.process import fuse_unusable
-
-    return fuse_unusable()
-
-
 class Wan:
     """The emulated link (docs/wan.md), driven through its control port: a ``spokefs wan``
     process, or (CI, to save a process start) a ``WanLinkThread`` in this process."""
@@ -241,12 +235,16 @@ class Proc(Service):
 class Lab:
     """The processes of one case; everything started here is stopped by ``close``."""
 
-    def __init__(self, root: Path, logs: Path | None = None) -> None:
+    def __init__(self, root: Path, logs: Path | None = None, tokens: bool = True) -> None:
         self.root = root
         self.logs = logs
         self.services: list[Proc] = []
         self.cleanups: list[Callable[[], None]] = []
-        self.http = urllib3.PoolManager(maxsize=64, retries=False,
+        # With tokens (the default), hub and spoke run with --auth, as deployed: every
+        # request here, and every client and mount a case starts, presents a token.
+        self.tokens = BenchTokens.make(root / "auth") if tokens else None
+        self.auth = self.tokens.headers() if self.tokens else {}
+        self.http = urllib3.PoolManager(maxsize=64, retries=False, headers=self.auth,
                                         timeout=urllib3.Timeout(connect=5, read=120))
 
     def start(self, name: str, args: list[str]) -> Proc:
@@ -262,13 +260,15 @@ class Lab:
     def hub(self, ds: Dataset, scale: Scale, port: int = 0, name: str = "hub") -> Proc:
         return self.start(name, ["hub", "serve", str(ds.root), "--name", DATASET, "--port",
                                  str(port), "--state-dir", str(self.root / "hubstate"),
-                                 "--block-size", scale.block_size])
+                                 "--block-size", scale.block_size,
+                                 *(self.tokens.hub_args() if self.tokens else [])])
 
     def spoke(self, upstream: str, cache: str, *extra: str, port: int = 0,
               size: str = "1GiB", name: str = "spoke") -> Proc:
         return self.start(name, ["spoke", "serve", "--upstream", upstream, "--cache-dir",
                                  str(self.root / cache), "--cache-size", size, "--port",
-                                 str(port), "--no-fsync", *extra])
+                                 str(port), "--no-fsync",
+                                 *(self.tokens.spoke_args() if self.tokens else []), *extra])
 
     def restart(self, s: Proc) -> Proc:
         """Start ``s``'s command again on the port it had (after a kill)."""
@@ -310,12 +310,13 @@ class Lab:
     # -- reading ---------------------------------------------------------------------------
     def get(self, url: str, timeout: float = 120.0, **headers: str
             ) -> urllib3.BaseHTTPResponse:
-        return self.http.request("GET", url, headers=headers or None, redirect=False,
+        return self.http.request("GET", url, headers={**self.auth, **headers}, redirect=False,
                                  timeout=urllib3.Timeout(connect=5, read=timeout))
 
     def post(self, url: str, doc: dict[str, Any]) -> dict[str, Any]:
         r = self.http.request("POST", url, body=json.dumps(doc).encode(),
-                              headers={"Content-Type": "application/json"}, timeout=60)
+                              headers={**self.auth, "Content-Type": "application/json"},
+                              timeout=60)
         if r.status >= 300:
             raise CaseFailed(f"POST {url} answered {r.status}: {r.data[:300]!r}")
         return dict(json.loads(r.data))
@@ -1124,10 +1125,11 @@ def case_chain_restart(c: Case) -> None:
 # -- mount cases -----------------------------------------------------------------------------
 def _mount_stack(c: Case, spoke_deadline: float, mount_deadline: float
                  ) -> tuple[Dataset, Wan, Proc, str, dict[str, bytes], Path, Any]:
-    reason = _fuse_reason()
+    from spokefs.mount.process import MountProcess, fuse_unusable, unmount
+
+    reason = fuse_unusable()
     if reason is not None:
         raise Skip(f"no FUSE mount: {reason}")
-    from spokefs.mount.process import MountProcess, unmount
 
     s, lab = c.scale, c.lab
     ds = Dataset(lab.root / "ds", s)
@@ -1279,12 +1281,14 @@ CASES: dict[str, Callable[[Case], None]] = {
 }
 
 
-def run_case(name: str, root: Path, scale: Scale, logs: Path | None = None) -> Result:
+def run_case(name: str, root: Path, scale: Scale, logs: Path | None = None,
+             tokens: bool = True) -> Result:
     """Run one case in ``root`` (a fresh folder); never raises for what the case finds."""
-    c = Case(name, Lab(root, logs), scale)
+    c = Case(name, Lab(root, logs, tokens), scale)
     t0 = time.monotonic()
     try:
-        CASES[name](c)
+        with c.lab.tokens.as_client() if c.lab.tokens else contextlib.nullcontext():
+            CASES[name](c)
     except Skip as exc:
         c.result.outcome = f"skipped: {exc}"
     except CaseFailed as exc:
@@ -1319,6 +1323,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--repeat", type=int, default=2, help="rounds of every case (default: 2)")
     p.add_argument("--scale", choices=("bench", "ci"), default="bench",
                    help="bench: more data, readers and background load; ci: the test sizes")
+    p.add_argument("--no-tokens", action="store_true",
+                   help="run hub and spoke without --auth (default: with tokens, as deployed)")
     p.add_argument("--load", type=int, default=None,
                    help="background reader threads per case (default: 4 at bench scale)")
     p.set_defaults(func=run)
@@ -1341,7 +1347,8 @@ def run(args: argparse.Namespace) -> int:
     for rnd in range(args.repeat):
         for name in names:
             with tempfile.TemporaryDirectory(prefix=f"chaos-{name}-") as tmp:
-                r = run_case(name, Path(tmp), scale, out / "logs" / f"{name}-{rnd}")
+                r = run_case(name, Path(tmp), scale, out / "logs" / f"{name}-{rnd}",
+                             tokens=not args.no_tokens)
             r.details["round"] = rnd
             rows.append(r)
             status = r.outcome if r.ok else r.explain()
@@ -1353,6 +1360,7 @@ def run(args: argparse.Namespace) -> int:
                   "-" if r.recover_s is None else r.recover_s, r.seconds] for r in rows],
                 header))
     path = write_json(out, {"benchmark": "chaos", "machine": machine(), "scale": asdict(scale),
+                            "tokens": not args.no_tokens,
                             "repeat": args.repeat, "seconds": round(time.monotonic() - t0, 1),
                             "cases": [r.row() for r in rows]})
     failed = [r for r in rows if not r.ok]

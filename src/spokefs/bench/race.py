@@ -44,6 +44,7 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import quote, urljoin, urlsplit
 
+from spokefs.bench.common import BenchTokens
 from spokefs.units import format_size, parse_duration, parse_rate, parse_size
 
 TOOLS = ["local", "spokefs", "spokefs_hints", "rclone", "fsspec_simplecache", "http_direct"]
@@ -103,6 +104,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--verify", action="store_true",
                    help="check every file's bytes (sha1) against the source; costs CPU")
     p.add_argument("--seed", type=int, default=1, help="seed of the data and the orders")
+    p.add_argument("--no-tokens", action="store_true",
+                   help="hub and spoke without --auth (default: with tokens, as deployed; "
+                   "every tool presents one)")
     p.set_defaults(func=run)
 
 
@@ -127,6 +131,7 @@ class Params:
     seed: int
     spoke_args: list[str]
     mount_args: list[str]
+    tokens: bool = True
 
     @classmethod
     def from_args(cls, a: argparse.Namespace) -> Params:
@@ -151,7 +156,8 @@ class Params:
                    readers=[int(r) for r in a.readers.split(",") if r],
                    tools=tools, timeout=pick(a.timeout, 300.0, 60.0), skip_slow=a.skip_slow,
                    walk=not a.no_walk, verify=a.verify, seed=a.seed,
-                   spoke_args=list(a.spoke_arg), mount_args=list(a.mount_arg))
+                   spoke_args=list(a.spoke_arg), mount_args=list(a.mount_arg),
+                   tokens=not a.no_tokens)
 
 
 @dataclass
@@ -250,30 +256,15 @@ class Served:
     hub: Any
     wan: Any
     link: Link
+    tokens: BenchTokens | None = None  # hub (and spoke) run with --auth
+
+    @property
+    def auth(self) -> dict[str, str]:  # what every tool sends: its token
+        return self.tokens.headers() if self.tokens else {}
 
     @property
     def url(self) -> str:           # plain reads by path through the link
         return f"{self.wan.url}/{self.dataset.name}/"
-
-
-def _wait_mounted(mp: Path, proc: subprocess.Popen[bytes] | None, timeout: float) -> None:
-    from spokefs.mount import sysfs
-
-    end = time.monotonic() + timeout
-    while time.monotonic() < end:
-        if sysfs.is_mounted(mp):
-            return
-        if proc is not None and proc.poll() is not None:
-            raise RuntimeError(f"mount at {mp} exited with {proc.returncode}")
-        time.sleep(0.05)
-    raise RuntimeError(f"nothing mounted at {mp} after {timeout:g}s")
-
-
-def _lazy_unmount(mp: Path) -> None:
-    from spokefs.mount import sysfs
-
-    if sysfs.is_mounted(mp):
-        subprocess.run(["fusermount3", "-u", "-z", str(mp)], capture_output=True, timeout=30)
 
 
 # -- tools -----------------------------------------------------------------------------------
@@ -361,26 +352,23 @@ class SpokefsMount(Tool):
 
     @staticmethod
     def missing() -> str | None:
-        try:
-            import pyfuse3  # noqa: F401
-        except ImportError as exc:
-            return f"pyfuse3 is not importable ({exc})"
-        if not os.path.exists("/dev/fuse") or shutil.which("fusermount3") is None:
-            return "no /dev/fuse or no fusermount3"
-        return None
+        from spokefs.mount.process import fuse_unusable
+
+        return fuse_unusable()
 
     def start(self) -> None:
-        from spokefs.bench.procs import Service, spoke_args
-        from spokefs.mount.process import MountProcess
+        from spokefs.mount.process import MountProcess, unmount
+        from spokefs.procs import Service, spoke_args
 
         cache = self.work / "cache"
         shutil.rmtree(cache, ignore_errors=True)
         size = f"{2 * self.ds.bytes + (256 << 20)}"
-        self.spoke = Service(spoke_args(self.served.wan.url, cache, size, 0,
+        tokens = self.served.tokens.spoke_args() if self.served.tokens else []
+        self.spoke = Service(spoke_args(self.served.wan.url, cache, size, 0, *tokens,
                                         *self.p.spoke_args)).start()
         mp = self.work / "mnt"
         mp.mkdir(parents=True, exist_ok=True)
-        _lazy_unmount(mp)
+        unmount(mp)  # left by an earlier run that died
         self.mount = MountProcess(f"{self.spoke.url}/{self.ds.name}", mp,
                                   *self.p.mount_args).start()
         self.root = mp
@@ -417,33 +405,39 @@ class Rclone(Tool):
 
     @staticmethod
     def missing() -> str | None:
+        from spokefs.mount.process import fuse_unusable
+
         if shutil.which("rclone") is None:
             return "rclone is not installed"
-        if shutil.which("fusermount3") is None and shutil.which("fusermount") is None:
-            return "no fusermount"
-        return None
+        return fuse_unusable(need_pyfuse3=False)
 
     def start(self) -> None:
+        from spokefs.mount.process import unmount, wait_mounted
+
         cache = self.work / "rclone-cache"
         shutil.rmtree(cache, ignore_errors=True)
         mp = self.work / "mnt"
         mp.mkdir(parents=True, exist_ok=True)
-        _lazy_unmount(mp)
+        unmount(mp)  # left by an earlier run that died
         self.log = (self.work / "rclone.log").open("wb")
         self.proc = subprocess.Popen(
             ["rclone", "mount", ":http:", str(mp), "--http-url", self.served.url,
              "--vfs-cache-mode", "full", "--read-only", "--cache-dir", str(cache),
-             "--config", str(self.work / "rclone.conf")],
+             "--config", str(self.work / "rclone.conf"),
+             *(f"--http-headers={k},{v}" for k, v in self.served.auth.items())],
             stdout=self.log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
-        _wait_mounted(mp, self.proc, 30.0)
+        wait_mounted(mp, self.proc, 30.0)
         self.root = mp
 
     def pids(self) -> dict[str, int | None]:
         return {"rclone": self.proc.pid}
 
     def stop(self) -> None:
+        from spokefs.mount.process import unmount
+
         assert self.root is not None
-        _lazy_unmount(self.root)
+        with contextlib.suppress(OSError):  # stop the process whatever the unmount says
+            unmount(self.root)
         if self.proc.poll() is None:
             self.proc.send_signal(signal.SIGTERM)
             try:
@@ -474,9 +468,11 @@ class FsspecSimplecache(Tool):
         shutil.rmtree(cache, ignore_errors=True)
         cache.mkdir(parents=True)
         # skip_instance_cache: a fresh filesystem (and cache) per case, never a reused one
+        auth = {"headers": self.served.auth}
         self.fs = fsspec.filesystem("simplecache", target_protocol="http",
-                                    cache_storage=str(cache), skip_instance_cache=True)
-        self.http = fsspec.filesystem("http", skip_instance_cache=True)
+                                    target_options=auth, cache_storage=str(cache),
+                                    skip_instance_cache=True)
+        self.http = fsspec.filesystem("http", skip_instance_cache=True, **auth)
 
     def reader(self) -> tuple[ReadOne, Callable[[], None]]:
         base, paths = self.served.url, self.ds.paths
@@ -517,7 +513,7 @@ class HttpDirect(Tool):
     def reader(self) -> tuple[ReadOne, Callable[[], None]]:
         conn = self._conn()
         prefix = f"/{self.ds.name}/"
-        paths, sizes = self.ds.paths, self.ds.sizes
+        paths, sizes, auth = self.ds.paths, self.ds.sizes, self.served.auth
         view = memoryview(bytearray(0))
 
         def read(i: int, buf: bytearray, sink: Sink) -> int:
@@ -528,7 +524,7 @@ class HttpDirect(Tool):
             while done < size:
                 end = min(size, done + HTTP_CHUNK)
                 conn.request("GET", prefix + quote(paths[i]),
-                             headers={"Range": f"bytes={done}-{end - 1}"})
+                             headers={"Range": f"bytes={done}-{end - 1}", **auth})
                 resp = conn.getresponse()
                 if resp.status not in (200, 206):
                     raise OSError(f"GET {paths[i]}: HTTP {resp.status}")
@@ -552,7 +548,7 @@ class HttpDirect(Tool):
             todo = [f"/{self.ds.name}/"]
             while todo:
                 folder = todo.pop()
-                conn.request("GET", folder)
+                conn.request("GET", folder, headers=self.served.auth)
                 body = conn.getresponse().read().decode()
                 for href in re.findall(r'<a href="([^"]+)"', body):
                     if href.startswith("..") or href.startswith("/"):
@@ -560,7 +556,7 @@ class HttpDirect(Tool):
                     if href.endswith("/"):
                         todo.append(folder + href)
                     else:
-                        conn.request("HEAD", folder + href)
+                        conn.request("HEAD", folder + href, headers=self.served.auth)
                         resp = conn.getresponse()
                         resp.read()
                         int(resp.headers["Content-Length"])
@@ -576,12 +572,19 @@ TOOL_CLASSES: dict[str, type[Tool]] = {c.name: c for c in (
 
 def spoke_diagnostics(url: str) -> dict[str, Any]:
     """What the spoke saw: fetch latency histogram, bytes by reason, hits, planner stats."""
+    from spokefs.wire.auth import bearer, client_token
+
     out: dict[str, Any] = {}
+    auth = bearer(client_token())  # the bench's token, when the spoke runs with --auth
+
+    def get(path: str) -> bytes:
+        req = urllib.request.Request(url + path, headers=auth)
+        with urllib.request.urlopen(req, timeout=10) as resp:
+            return bytes(resp.read())
+
     try:
-        with urllib.request.urlopen(f"{url}/metrics", timeout=10) as resp:
-            text = resp.read().decode()
-        with urllib.request.urlopen(f"{url}/v1/status", timeout=10) as resp:
-            status = json.loads(resp.read())
+        text = get("/metrics").decode()
+        status = json.loads(get("/v1/status"))
     except OSError as exc:
         return {"error": str(exc)}
     buckets: dict[str, float] = {}
@@ -689,18 +692,22 @@ class Race:
 
     @contextlib.contextmanager
     def serve(self, datasets: list[Dataset]) -> Iterator[None]:
-        from spokefs.bench.procs import Service, hub_args
+        from spokefs.procs import Service, hub_args
 
         started: list[Any] = []
+        tokens = BenchTokens.make(self.work / "auth") if self.p.tokens else None
         try:
             for ds in datasets:
-                hub = Service(hub_args(ds.root, self.work / f"hubstate-{ds.name}"))
+                hub = Service(hub_args(ds.root, self.work / f"hubstate-{ds.name}")
+                              + (tokens.hub_args() if tokens else []))
                 started.append(hub.start(timeout=600))
                 wan = Service(["wan", "--upstream", hub.hostport, "--rtt", f"{self.p.rtt}s",
                                "--bandwidth", f"{self.p.bandwidth}B/s"])
                 started.append(wan.start())
-                self.served[ds.name] = Served(ds, hub, wan, Link(wan.control))
-            yield
+                self.served[ds.name] = Served(ds, hub, wan, Link(wan.control), tokens)
+            # The mounts and hint clients the tools start present the token (SPOKEFS_TOKEN).
+            with tokens.as_client() if tokens else contextlib.nullcontext():
+                yield
         finally:
             for s in reversed(started):
                 s.stop()
@@ -1000,7 +1007,7 @@ def run(args: argparse.Namespace) -> int:
                    "small_size": p.small_size, "small_dirs": p.small_dirs,
                    "readers": p.readers, "tools": p.tools, "timeout_s": p.timeout,
                    "skip_slow": p.skip_slow, "seed": p.seed, "spoke_args": p.spoke_args,
-                   "mount_args": p.mount_args,
+                   "mount_args": p.mount_args, "tokens": p.tokens,
                    "dataset_bytes": {d.name: d.bytes for d in datasets},
                    "dataset_files": {d.name: len(d.paths) for d in datasets}},
         "results": race.results,

@@ -13,13 +13,14 @@ class RemoteFile(io.RawIOBase):
     """Raw reads of one file version; wrap in io.BufferedReader (``open`` does)."""
 
     def __init__(self, client: Client, dataset: str, version: str, size: int,
-                 name: str = "") -> None:
+                 name: str = "", snapshot: str | None = None) -> None:
         super().__init__()
         self.client = client
         self.dataset = dataset
         self.version = version
         self.size = size
         self.name = name
+        self.snapshot = snapshot
         self._pos = 0
 
     def readable(self) -> bool:
@@ -42,7 +43,8 @@ class RemoteFile(io.RawIOBase):
         n = min(len(buffer), self.size - self._pos)
         if n <= 0:
             return 0
-        data = self.client.read(self.dataset, self.version, self._pos, self._pos + n)
+        data = self.client.read(self.dataset, self.version, self._pos, self._pos + n,
+                                self.snapshot)
         buffer[: len(data)] = data
         self._pos += len(data)
         return len(data)
@@ -50,7 +52,8 @@ class RemoteFile(io.RawIOBase):
     def readall(self) -> bytes:
         if self._pos >= self.size:
             return b""
-        data = self.client.read(self.dataset, self.version, self._pos, self.size)
+        data = self.client.read(self.dataset, self.version, self._pos, self.size,
+                                self.snapshot)
         self._pos += len(data)
         return data
 
@@ -71,7 +74,8 @@ def open(url: str, mode: str = "rb", buffering: int = 1024 * 1024,
     e = client.entry(u.dataset, u.snapshot, u.path)
     if e.get("type") != "file":
         raise IsADirectoryError(f"{url} is a folder")
-    raw = RemoteFile(client, u.dataset, str(e["version"]), int(e["size"]), name=url)
+    raw = RemoteFile(client, u.dataset, str(e["version"]), int(e["size"]), name=url,
+                     snapshot=e.get("snapshot"))
     f: io.BufferedReader | RemoteFile = raw if buffering == 0 else io.BufferedReader(
         raw, buffer_size=buffering)
     if mode == "r":

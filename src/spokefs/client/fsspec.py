@@ -88,7 +88,7 @@ class SpokeFileSystem(AbstractFileSystem):
         t = min(t, e.size)
         if t <= s:
             return b""
-        return client.read(u.dataset, e.version, s, t)
+        return client.read(u.dataset, e.version, s, t, m.snapshot)
 
     def _open(self, path: str, mode: str = "rb", block_size: int | None = None,
               autocommit: bool = True, cache_options: Any = None, **kwargs: Any

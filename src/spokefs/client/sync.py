@@ -19,6 +19,7 @@ from spokefs.errors import UpstreamUnavailable, from_status
 from spokefs.manifest import Manifest
 from spokefs.retry import backoff_delays
 from spokefs.wire.auth import FROM_ENV, bearer, client_token
+from spokefs.wire.headers import H_SNAPSHOT
 from spokefs.wire.tls import client_context, untrusted
 
 _pools: dict[tuple[int, str], urllib3.PoolManager] = {}
@@ -99,7 +100,8 @@ class Client:
     def entry(self, dataset: str, snap: str, path: str) -> dict[str, Any]:
         return dict(self.get_json(f"/v1/datasets/{dataset}/snapshots/{snap}/entries/{path}"))
 
-    def read(self, dataset: str, version: str, start: int, end: int) -> bytes:
+    def read(self, dataset: str, version: str, start: int, end: int,
+             snapshot: str | None = None) -> bytes:
         """Bytes [start, end) of a file version (end may pass EOF; the answer is clamped).
 
         A body cut short (the connection broke, or the server failed after it had begun to
@@ -107,12 +109,14 @@ class Client:
         caller gets the rest or the server's own error for that part (VersionGone,
         UpstreamUnavailable), not a retry of the whole range until the deadline."""
         path = f"/v1/datasets/{dataset}/objects/{version}"
+        # The snapshot read from: a spoke keeps its files while readers name it.
+        named = {H_SNAPSHOT: snapshot} if snapshot else {}
         out = bytearray()
         give_up = time.monotonic() + self.deadline
         for delay in backoff_delays():
             had = len(out)
-            resp = self.request("GET", path, {"Range": f"bytes={start + had}-{end - 1}"},
-                                stream=True)
+            resp = self.request("GET", path, {"Range": f"bytes={start + had}-{end - 1}",
+                                              **named}, stream=True)
             try:
                 for chunk in resp.stream(1 << 20):
                     out += chunk

@@ -80,6 +80,9 @@ class HubBackend:
     async def resolve(self, name: str, snap: str) -> str:
         return self._state(name).resolve(snap).id
 
+    def snapshots_used(self, name: str, snap_ids: list[str]) -> None:
+        """A hub keeps every snapshot's manifest; which ones readers use changes nothing."""
+
     async def manifest_blob(self, name: str, snap_id: str) -> bytes:
         st = self._state(name)
         st.resolve(snap_id)

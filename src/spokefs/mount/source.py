@@ -99,6 +99,7 @@ class UpstreamSource:
         self.ranges = DataClient(target.base, max_connections=max_connections,
                                  idle_timeout=max(deadline, 1.0))
         self.want_short_circuit = short_circuit
+        self._snapshot: dict[str, str] = {}
         self.local: ShortCircuit | None = None
 
     async def open(self) -> Manifest:
@@ -113,9 +114,11 @@ class UpstreamSource:
                                   "run `spokefs hub snapshot` first")
         m = await retry_until(self.deadline, f"manifest of {t.dataset}@{snap}",
                               lambda: self.client.manifest(t.dataset, snap))
+        # Named on every read: a spoke keeps the files of a snapshot in use (retire_stale).
+        self._snapshot = {H_SNAPSHOT: m.snapshot}
         if self.want_short_circuit:
-            self.local = await ShortCircuit.probe(self.client, t.dataset, m.block_size,
-                                                  self.deadline)
+            self.local = await ShortCircuit.probe(self.client, t.dataset, m.snapshot,
+                                                  m.block_size, self.deadline)
         return m
 
     async def read_into(self, version: str, start: int, buf: memoryview) -> int:
@@ -135,7 +138,7 @@ class UpstreamSource:
 
     async def _read_into(self, path: str, version: str, start: int, buf: memoryview) -> int:
         if self.ranges is not None:
-            return (await self.ranges.read_into(path, start, buf))[0]
+            return (await self.ranges.read_into(path, start, buf, self._snapshot))[0]
         block = await self.client.read_range(self.target.dataset, version, start,
                                              start + len(buf))
         buf[:len(block.data)] = block.data
@@ -162,10 +165,13 @@ class ShortCircuit:
     CHUNKS_KEPT = 64     # checked chunks kept for reads of pieces of them (16 MiB)
     LOCS_KEPT = 1 << 18  # block locations kept (~300 bytes each); the oldest go first
 
-    def __init__(self, client: UpstreamClient, dataset: str, block_size: int,
+    def __init__(self, client: UpstreamClient, dataset: str, snapshot: str, block_size: int,
                  cache: SharedCache, deadline: float) -> None:
         self.client = client
         self.dataset = dataset
+        # Named in every locate and report: the spoke keeps this snapshot's files cached
+        # while the mount reads them, even after the source changed (retire_stale).
+        self.snapshots = [snapshot]
         self.block_size = block_size
         self.cache = cache
         self.deadline = deadline
@@ -187,8 +193,8 @@ class ShortCircuit:
         self.learned = 0
 
     @classmethod
-    async def probe(cls, client: UpstreamClient, dataset: str, block_size: int,
-                    deadline: float) -> ShortCircuit | None:
+    async def probe(cls, client: UpstreamClient, dataset: str, snapshot: str,
+                    block_size: int, deadline: float) -> ShortCircuit | None:
         """A short circuit if the upstream is a spoke whose cache folder this process can
         read (the same host and folder: the id it keeps there matches); else None."""
         try:
@@ -208,7 +214,7 @@ class ShortCircuit:
             return None
         log.info("short circuit on: reading resident blocks from the spoke's cache at %s",
                  info["dir"])
-        return cls(client, dataset, block_size, cache, deadline)
+        return cls(client, dataset, snapshot, block_size, cache, deadline)
 
     async def read_into(self, version: str, start: int, buf: memoryview) -> int | None:
         """Fill ``buf`` from bytes ``start`` on of a version; the count, or None to read it
@@ -373,7 +379,8 @@ class ShortCircuit:
         only wait again over HTTP: the caller answers EIO now)."""
         try:
             async with asyncio.timeout(self.deadline):
-                return await self.client.post_json(f"/v1/datasets/{self.dataset}/{what}", doc)
+                return await self.client.post_json(f"/v1/datasets/{self.dataset}/{what}",
+                                                   {**doc, "snapshots": self.snapshots})
         except TimeoutError as exc:
             raise ReadFailed(f"the spoke gave no answer within {self.deadline:g}s ({what})"
                              ) from exc
@@ -419,7 +426,8 @@ class ShortCircuit:
                 async with asyncio.timeout(2.0):
                     await self.client.post_json(
                         f"/v1/datasets/{self.dataset}/reads",
-                        {"reads": self._reads, "by": "mount", "bytes": self._located_bytes})
+                        {"reads": self._reads, "by": "mount", "bytes": self._located_bytes,
+                         "snapshots": self.snapshots})
         if self._sweeper is not None:
             self._sweeper.cancel()
         self.cache.close()
@@ -438,20 +446,22 @@ class EmbeddedSource:
                                                 cache_size=cache_size, policy=policy,
                                                 deadline=deadline))
         self._started = False
+        self.snapshot = ""  # the id open() pinned
 
     async def open(self) -> Manifest:
         t = self.target
         await self.backend.start()
         self._started = True
         try:
-            snap = await self.backend.resolve(t.dataset, t.snapshot)
-            return await self.backend.manifest(t.dataset, snap)
+            self.snapshot = await self.backend.resolve(t.dataset, t.snapshot)
+            return await self.backend.manifest(t.dataset, self.snapshot)
         except UpstreamUnavailable as exc:
             raise ReadFailed(f"cannot load {t}: {exc}") from exc
 
     async def read_into(self, version: str, start: int, buf: memoryview) -> int:
         end = start + len(buf)
         what = f"{self.target.dataset} {version} [{start},{end})"
+        self.backend.snapshots_used(self.target.dataset, [self.snapshot])  # while mounted
         n = 0
         try:
             # The backend retries until its deadline (ours); the timeout is a backstop.

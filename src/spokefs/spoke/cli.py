@@ -70,6 +70,10 @@ def register(sub: argparse._SubParsersAction) -> None:
     serve.add_argument("--pin-ttl", type=parse_duration, default=24 * 3600.0,
                        metavar="DURATION", help="how long a warm-up's pins hold (default "
                        "24h; warm again to renew); warm-ups may pin at most 80%% of the cache")
+    serve.add_argument("--stale-after", type=parse_duration, default=600.0,
+                       metavar="DURATION", help="a file changed or removed at the source "
+                       "leaves the cache within this long once no snapshot in use holds it "
+                       "(default 10m; 0: kept until evicted; docs/security.md)")
     serve.add_argument("--workers", type=int, default=None, metavar="N",
                        help="processes serving readers (default: the number of cores, at "
                        "most 16): one primary fills the cache, the others serve from it too")
@@ -94,6 +98,7 @@ def _serve(args: argparse.Namespace) -> int:
                          prefetch_inflight=args.prefetch_inflight,
                          pacing=not args.no_pacing, write_io=args.write_io,
                          read_window=args.read_window, pin_ttl=args.pin_ttl,
+                         stale_after=args.stale_after,
                          auth=str(args.auth) if args.auth else None,
                          audit_log=args.audit_log,
                          upstream_token_file=(str(args.upstream_token_file)

@@ -28,6 +28,9 @@ class SpokeMetrics:
                                           "not match their digest", ["where"], registry=r)
         self.write_errors = Counter("spokefs_cache_write_errors", "Blocks that could not be "
                                     "written to the cache", ["reason"], registry=r)
+        self.stale_blocks = Counter("spokefs_cache_stale_blocks", "Blocks dropped because no "
+                                    "snapshot in use holds their file version (changed or "
+                                    "removed at the source; --stale-after)", registry=r)
         self.passthrough_bytes = Counter("spokefs_passthrough_bytes", "Bytes served without "
                                          "being cached (cache full of pins or unwritable)",
                                          registry=r)

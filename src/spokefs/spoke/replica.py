@@ -92,6 +92,7 @@ class ReplicaBackend:
         self._datasets: dict[str, tuple[float, DatasetInfo]] = {}
         self._manifests = ManifestMemo()
         self._reads: dict[str, list[list[Any]]] = {}
+        self._used: dict[str, set[str]] = {}  # snapshots read here since the last report
         self._counts = {"served_bytes": 0}  # hits and misses: counted with reads, locates
         self._checker = ThreadPoolExecutor(2, thread_name_prefix="spokefs-check")
         self.served: Any = None
@@ -118,12 +119,16 @@ class ReplicaBackend:
         """Tell the primary what was read here and what was counted (best effort: a report
         lost while the primary restarts costs a hint and a few counts, nothing more)."""
         reads, self._reads = self._reads, {}
+        used, self._used = self._used, {}
         counts = {k: v for k, v in self._counts.items() if v}
         for k in counts:
             self._counts[k] = 0
         try:
-            for ds, batch in reads.items():
-                await self.primary.post_json(f"/v1/datasets/{ds}/reads", {"reads": batch})
+            for ds in reads.keys() | used.keys():
+                # The snapshots read here stay in use (their files stay cached) as if the
+                # primary had served the reads.
+                await self.primary.post_json(f"/v1/datasets/{ds}/reads", {
+                    "reads": reads.get(ds, []), "snapshots": sorted(used.get(ds, ()))})
             if counts:
                 await self.primary.post_json("/v1/workers/counts", counts)
         except (Transient, SpokeError) as exc:
@@ -208,6 +213,14 @@ class ReplicaBackend:
         return info
 
     async def resolve(self, name: str, snap: str) -> str:
+        snap_id = await self._resolve(name, snap)
+        self._used.setdefault(name, set()).add(snap_id)
+        return snap_id
+
+    def snapshots_used(self, name: str, snap_ids: list[str]) -> None:
+        self._used.setdefault(name, set()).update(snap_ids)  # told with the next report
+
+    async def _resolve(self, name: str, snap: str) -> str:
         info = await self.dataset(name)
         if snap == "latest":
             if info.latest is None:

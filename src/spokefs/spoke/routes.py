@@ -320,6 +320,7 @@ class SpokeRoutes:
             ctx, span = _read_context(read)
         if damaged:  # a reader found these bytes wrong: check, drop if so
             self.backend.recheck(keys)
+        self._snapshots_used(ds, doc)
         blocks = await self.backend.locate(ds, keys, fetch, ctx, span)
         return web.json_response({"cache": self.backend.cache_info(), "blocks": blocks,
                                   **self._news(ds, since)})
@@ -346,8 +347,16 @@ class SpokeRoutes:
                                                      where), left)
             left -= end - start
             reads.append((r[0], start, end, ctx))
+        self._snapshots_used(ds, doc)
         self.backend.reads_elsewhere(ds, reads, by_mount=by == "mount", extra_bytes=extra)
         return web.json_response({"reads": len(reads), **self._news(ds, since)})
+
+    def _snapshots_used(self, ds: str, doc: Fields) -> None:
+        """``"snapshots": [id, ...]`` in a locate or reads body: the reader (a mount, a
+        replica worker) uses them, so their files stay cached (``retire_stale``)."""
+        snaps = doc.items("snapshots", str, "snapshot ids", MAX_KEEP)
+        if snaps:
+            self.backend.snapshots_used(ds, [check_snapshot_id(s) for s in snaps])
 
     @staticmethod
     def _since(doc: Fields) -> int | None:

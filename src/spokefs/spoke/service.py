@@ -95,6 +95,9 @@ class SpokeConfig:
     read_window: int = 64 << 20
     pin_ttl: float = 24 * 3600.0    # a warm-up's pins are released after this long
     pin_share: float = 0.8          # most of the capacity warm-ups may pin at once
+    # Blocks of a file version no snapshot in use holds (changed or removed at the source)
+    # leave the cache within this long; 0 keeps them until evicted (retire_stale).
+    stale_after: float = 600.0
     auth: str | None = None         # token file clients must present a token of (wire.auth)
     upstream_token_file: str | None = None  # this spoke's own token for its upstream
     dataset_config: str | None = None  # per-dataset residency and retention (spoke.datasets)
@@ -172,6 +175,12 @@ class SpokeBackend:
         self._warm_pins: dict[BlockKey, tuple[int, float]] = {}
         self.warm_pinned_bytes = 0
         self._last_upstream_error: str | None = None
+        # Snapshots readers named lately: (dataset, snapshot id) -> when (monotonic). With
+        # each dataset's latest, they say which file versions are in use (retire_stale).
+        self._snapshots_used: dict[tuple[str, str], float] = {}
+        self._retired_for: dict[str, frozenset[str]] = {}  # dataset -> in-use set at last pass
+        self._retire_passes = 0
+        self._unconfirmed: set[str] = set()  # datasets whose latest upstream could not confirm
         self.served: Any = None  # the API's served-bytes counter (wire.server sets it)
         self.audit = Audit(config.audit_log)  # a no-op without --audit-log
         self.started = time.time()
@@ -191,6 +200,8 @@ class SpokeBackend:
         self.metrics.prefetch_window.set_function(
             lambda: self.fetcher.queue.prefetch_window or self.config.prefetch_inflight)
         self.tasks.keep(self._housekeeping, "housekeeping")
+        if self.config.stale_after > 0:
+            self.tasks.keep(self._retire_loop, "retire-stale")
         self.audit.watch_store(self.store, self.tasks)  # after the callbacks above: it chains
         self.tasks.keep(LoopLag(self.registry).run, "loop-lag")
         if self.config.prefetch:
@@ -246,6 +257,7 @@ class SpokeBackend:
             # Upstream down: keep serving with what we knew (memory, then disk).
             stale = cached[1] if cached else self._persisted_dataset(name)
             if stale is not None:
+                self._unconfirmed.add(name)
                 log.warning("upstream down (%s); using the last known state of %r", exc, name)
                 self._datasets[name] = (now, stale)  # ask again after the ttl, not per read
                 return stale
@@ -255,6 +267,7 @@ class SpokeBackend:
         info = DatasetInfo(doc["name"], int(doc.get("block_size", DEFAULT_BLOCK_SIZE)),
                            doc.get("latest"), list(doc.get("snapshots", [])))
         self._datasets[name] = (now, info)
+        self._unconfirmed.discard(name)
         self.store.kv_set(f"dataset:{name}", json.dumps(info.to_json()))
         return info
 
@@ -270,6 +283,19 @@ class SpokeBackend:
         return [await self.dataset(d["name"]) for d in doc["datasets"]]
 
     async def resolve(self, name: str, snap: str) -> str:
+        """A snapshot's id (``snap``: an id or "latest"); it counts as in use from now."""
+        snap_id = await self._resolve(name, snap)
+        self._snapshots_used[(name, snap_id)] = time.monotonic()
+        return snap_id
+
+    def snapshots_used(self, name: str, snap_ids: list[str]) -> None:
+        """Readers elsewhere (a mount's short circuit, a replica worker) use these."""
+        now = time.monotonic()
+        for snap_id in snap_ids:
+            if is_snapshot_id(snap_id):  # not "latest": that is always in use
+                self._snapshots_used[(name, snap_id)] = now
+
+    async def _resolve(self, name: str, snap: str) -> str:
         info = await self.dataset(name)
         if snap == "latest":
             if info.latest is None:
@@ -291,6 +317,7 @@ class SpokeBackend:
 
     async def manifest_blob(self, name: str, snap_id: str) -> bytes:
         key = (name, snap_id)
+        self._snapshots_used[key] = time.monotonic()  # a client will read from it
         if self.prefetch is not None and key not in self._manifests and key not in self._telling:
             # A client that fetched the manifest will read from it: let the planner know it.
             # (manifest() loads through _manifest_blob, not here: before, each load spawned
@@ -822,13 +849,73 @@ class SpokeBackend:
         """Drop the cached blocks of these file versions (named files or folders, now)."""
         return await self._drop_all([k for k in self.store.purge_keys(name) if k[0] in versions])
 
-    async def _drop_all(self, keys: list[BlockKey]) -> int:
-        """Drop blocks for a purge; the bytes freed."""
-        self.audit.purging(keys)  # their removals are recorded as purged
+    @property
+    def _retire_period(self) -> float:
+        return max(1.0, min(60.0, self.config.stale_after / 4))
+
+    async def _retire_loop(self) -> None:
+        while True:
+            await asyncio.sleep(self._retire_period)
+            await self.retire_stale()
+
+    async def retire_stale(self) -> int:
+        """Drop the cached blocks of file versions no snapshot in use holds -- files the
+        source changed or removed -- so they leave within ``stale_after``; the bytes freed.
+
+        In use: each dataset's latest snapshot and every snapshot a reader named (a read, a
+        manifest, an order, a warm-up, a mount's or replica's report) within the last
+        ``stale_after`` less one pass. Warm-up pins hold their blocks. A dataset is skipped
+        while the upstream cannot confirm its latest snapshot or a manifest in use cannot be
+        loaded: nothing leaves on a guess. A pass over a dataset whose in-use set did not
+        change since the last one costs nothing (only reads of a snapshot bring its blocks,
+        and a read marks it in use)."""
+        now = time.monotonic()
+        window = self.config.stale_after - self._retire_period
+        used = self._snapshots_used
+        for key in [k for k, t in used.items() if now - t > window]:
+            del used[key]
+        freed = 0
+        for ds in [d for d, n in self.store.dataset_bytes.items() if n > 0]:
+            try:
+                info = await self.dataset(ds)
+                if info.latest is None or ds in self._unconfirmed:
+                    continue
+                snaps = frozenset({info.latest, *(s for d, s in used if d == ds)})
+                if self._retired_for.get(ds) == snaps:
+                    continue
+                keep: set[str] = set()
+                for snap in snaps:
+                    keep.update((await self.manifest(ds, snap)).versions)
+            except SpokeError as exc:
+                log.debug("stale blocks of %s stay for now: %s", ds, exc)
+                continue
+            keys = []
+            for n, key in enumerate(list(self.store.keys())):
+                if n % 50_000 == 49_999:
+                    await asyncio.sleep(0)  # millions of blocks: readers go on meanwhile
+                if key[0] in keep or key in self._warm_pins:
+                    continue
+                loc = self.store.get(key)
+                if loc is not None and loc.dataset == ds:
+                    keys.append(key)
+            if keys:
+                n = await self._drop_all(keys, "stale")
+                freed += n
+                self.metrics.stale_blocks.inc(len(keys))
+                log.info("%s: dropped %d blocks (%s) of file versions no snapshot in use holds "
+                         "(changed or removed at the source)", ds, len(keys), format_size(n))
+            self._retired_for[ds] = snaps
+        self._retire_passes += 1
+        return freed
+
+    async def _drop_all(self, keys: list[BlockKey], reason: str = "purge") -> int:
+        """Drop blocks (a purge, or stale versions); the bytes freed."""
+        if reason == "purge":
+            self.audit.purging(keys)  # their removals are recorded as purged
         freed = 0
         for n, key in enumerate(keys):
             freed += self.store.size_of(key)
-            self.store.drop(key, "purge")
+            self.store.drop(key, reason)
             if n % 2000 == 1999:
                 await asyncio.sleep(0)  # a big purge must not stop every reader meanwhile
         # Done means done: the space is free and the index says so when this returns.
@@ -882,7 +969,19 @@ class SpokeBackend:
             "link": self.link.stats() if self.link is not None else None,
             "deadline_s": self.config.deadline,
             "prefetch": self.prefetch.stats() if self.prefetch is not None else None,
+            "jobs": self.jobs.describe(time.monotonic()),
+            "stale": self._stale_status(),
         }
+
+    def _stale_status(self) -> dict[str, object]:
+        """What keeps old file versions cached: the snapshots in use, per dataset."""
+        now = time.monotonic()
+        in_use: dict[str, list[str]] = {}
+        for (ds, snap), t in sorted(self._snapshots_used.items()):
+            if now - t <= self.config.stale_after:
+                in_use.setdefault(ds, []).append(snap)
+        return {"after_s": self.config.stale_after, "passes": self._retire_passes,
+                "snapshots_in_use": in_use}
 
 
 _scratch = threading.local()

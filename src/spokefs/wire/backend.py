@@ -93,6 +93,7 @@ class Backend(Protocol):
     async def datasets(self) -> list[DatasetInfo]: ...
     async def dataset(self, name: str) -> DatasetInfo: ...           # NotFound
     async def resolve(self, name: str, snap: str) -> str: ...        # "latest" or id -> id
+    def snapshots_used(self, name: str, snap_ids: list[str]) -> None: ...  # readers name them
     async def manifest_blob(self, name: str, snap_id: str) -> bytes: ...   # gzip'd JSON
     async def manifest(self, name: str, snap_id: str) -> Manifest: ...
     async def object_size(self, name: str, version: str) -> int: ...  # NotFound, VersionGone

@@ -345,6 +345,11 @@ class Api:
         version = request.match_info["version"]
         if not check_version(version):
             raise BadRequest(f"invalid version id {version!r}")
+        snap = request.headers.get(H_SNAPSHOT)
+        if snap is not None:  # the reader's snapshot: in use (a spoke keeps its files)
+            if not is_snapshot_id(snap):
+                raise BadRequest(f"invalid {H_SNAPSHOT} header {snap[:80]!r}: a snapshot id")
+            self.backend.snapshots_used(ds, [snap])
         return await self._serve(request, ds, version, extra_headers={H_VERSION: version})
 
     async def read_blocks(self, request: web.Request) -> web.StreamResponse:
@@ -571,6 +576,29 @@ def auth_middleware(tokens: TokenFile, job_owners: bool = True,
     return check
 
 
+def admin_audit_middleware(audit: Audit) -> Callable:
+    """One audit line per operator action (ADMIN_ROUTES), with its outcome."""
+
+    @web.middleware
+    async def record(request: web.Request, handler: Callable) -> web.StreamResponse:
+        resource = request.match_info.route.resource
+        if (request.method, resource.canonical if resource is not None else "") \
+                not in ADMIN_ROUTES:
+            return await handler(request)
+        status = 500
+        try:
+            resp = await handler(request)
+            status = resp.status
+            return resp
+        except (web.HTTPException, SpokeError) as exc:
+            status = exc.status
+            raise
+        finally:
+            audit.admin(request, status)
+
+    return record
+
+
 def build_app(backend: Backend, extra_routes: list[web.RouteDef] | None = None,
               auth: Path | None = None, job_owners: bool = True,
               audit: Audit | None = None) -> web.Application:
@@ -580,6 +608,8 @@ def build_app(backend: Backend, extra_routes: list[web.RouteDef] | None = None,
     tokens = TokenFile(auth) if auth is not None else None
     if tokens is not None:
         middlewares.append(auth_middleware(tokens, job_owners, audit))
+    if audit is not None and audit.enabled:
+        middlewares.append(admin_audit_middleware(audit))  # inside auth: the token is known
     app = web.Application(middlewares=middlewares, client_max_size=64 * 1024 * 1024)
     if tokens is not None:
         app[AUTH_KEY] = tokens
