@@ -1,12 +1,15 @@
 #!/usr/bin/env bash
 # Installs the Debian packages spokefs needs when they are missing: libfuse3 (the mount and
-# pyfuse3's build), pkg-config (pyfuse3's build). rclone is a benchmark peer: installed when
-# SPOKEFS_PEERS=1. Runs as root or through sudo; does nothing when all is present.
+# pyfuse3's build), pkg-config (pyfuse3's build), chromium (the browser tests/test_ui.py drives
+# through playwright: Debian's, so playwright downloads no browser of its own). rclone is a
+# benchmark peer: installed when SPOKEFS_PEERS=1. Runs as root or through sudo; does nothing
+# when all is present.
 set -euo pipefail
 need=()
 dpkg -s fuse3 >/dev/null 2>&1 || need+=(fuse3)
 dpkg -s libfuse3-dev >/dev/null 2>&1 || need+=(libfuse3-dev)
 dpkg -s pkg-config >/dev/null 2>&1 || need+=(pkg-config)
+dpkg -s chromium >/dev/null 2>&1 || need+=(chromium)
 if [ "${SPOKEFS_PEERS:-0}" = 1 ]; then
   dpkg -s rclone >/dev/null 2>&1 || need+=(rclone)
 fi

@@ -60,6 +60,12 @@ class SpokeControl:
         return self._post(f"/v1/datasets/{self.dataset}/jobs/{self.job}/epoch",
                           {"epoch": epoch})
 
+    def report_steps(self, steps: Sequence[tuple[float, float]]) -> dict[str, Any]:
+        """Tell the spoke about this job's batches: ``(data_wait_s, step_s)`` each, at most
+        4096 a call (``spokefs.torch.StepReporter`` batches them in the background)."""
+        return self._post(f"/v1/datasets/{self.dataset}/jobs/{self.job}/steps",
+                          {"steps": [list(s) for s in steps]})
+
     def end(self) -> None:
         self.client.request("DELETE", f"/v1/datasets/{self.dataset}/jobs/{self.job}")
 

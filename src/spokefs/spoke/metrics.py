@@ -2,7 +2,13 @@
 
 from __future__ import annotations
 
+import time
+from collections.abc import Callable, Iterator
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+
+from spokefs.spoke.jobsignal import JobSignal
 
 
 class SpokeMetrics:
@@ -50,3 +56,42 @@ class SpokeMetrics:
         self.prefetch_window = Gauge("spokefs_prefetch_window_bytes", "Prefetch bytes let out "
                                      "at once: about twice the link's measured bandwidth x "
                                      "round trip", registry=r)
+        # Prefetch accuracy = this over spokefs_upstream_bytes_total{reason="prefetch"}.
+        self.prefetch_used_bytes = Counter("spokefs_prefetch_used_bytes", "Prefetched bytes "
+                                           "(planner or warm-up) a reader later read",
+                                           registry=r)
+        # Warm-up progress = done over asked, per dataset (done counts failed blocks too).
+        self.warm_blocks = Counter("spokefs_warm_blocks", "Blocks warm-ups set out to fetch",
+                                   ["dataset"], registry=r)
+        self.warm_done_blocks = Counter("spokefs_warm_done_blocks", "Blocks of warm-ups "
+                                        "whose fetch ended (resident, or failed)", ["dataset"],
+                                        registry=r)
+
+
+class JobMetrics:
+    """Training jobs' step reports (``spoke.jobsignal``) as metrics, read at scrape time: a
+    job the tracker dropped leaves ``/metrics`` with it (no label set grows without bound)."""
+
+    def __init__(self, signal: JobSignal, clock: Callable[[], float] = time.monotonic) -> None:
+        self.signal = signal
+        self.clock = clock
+
+    def collect(self) -> Iterator[Metric]:
+        labels = ["dataset", "job"]
+        steps = CounterMetricFamily("spokefs_job_steps", "Training steps jobs reported",
+                                    labels=labels)
+        wait = CounterMetricFamily("spokefs_job_data_wait_seconds", "Time jobs' steps waited "
+                                   "for their data", labels=labels)
+        busy = CounterMetricFamily("spokefs_job_step_seconds", "Time jobs spent on their steps "
+                                   "once the data was there (compute)", labels=labels)
+        util = GaugeMetricFamily("spokefs_job_utilisation_ratio", "1 - the share of the recent "
+                                 "window's step time spent waiting for data", labels=labels)
+        for js in self.signal.jobs(self.clock()):
+            key = [js.dataset, js.job]
+            steps.add_metric(key, js.steps)
+            wait.add_metric(key, js.data_wait_s)
+            busy.add_metric(key, js.step_s)
+            share = js.recent_share()
+            if share is not None:
+                util.add_metric(key, 1.0 - share)
+        yield from (steps, wait, busy, util)

@@ -57,6 +57,7 @@ PROXIED = [              # the primary's own routes: a replica forwards them as 
     ("POST", "/v1/datasets/{ds}/snapshots"),
     ("POST", "/v1/datasets/{ds}/jobs/{job}/order"),
     ("POST", "/v1/datasets/{ds}/jobs/{job}/epoch"),
+    ("POST", "/v1/datasets/{ds}/jobs/{job}/steps"),  # the primary keeps the jobs
     ("DELETE", "/v1/datasets/{ds}/jobs/{job}"),
     ("POST", "/v1/datasets/{ds}/warm"),
     ("POST", "/v1/datasets/{ds}/unpin"),

@@ -225,6 +225,7 @@ class SpokeRoutes:
         return [
             web.post("/v1/datasets/{ds}/jobs/{job}/order", self.order),
             web.post("/v1/datasets/{ds}/jobs/{job}/epoch", self.epoch),
+            web.post("/v1/datasets/{ds}/jobs/{job}/steps", self.steps),
             web.delete("/v1/datasets/{ds}/jobs/{job}", self.end_job),
             web.post("/v1/datasets/{ds}/warm", self.warm),
             web.post("/v1/datasets/{ds}/unpin", self.unpin),

@@ -136,6 +136,9 @@ class SpokeBackend:
         self.config = config
         self.registry = CollectorRegistry()
         self.metrics = SpokeMetrics(self.registry)
+        # Training jobs' step reports: data wait against compute (POST .../jobs/{job}/steps).
+        self.jobs = JobSignal()
+        self.registry.register(JobMetrics(self.jobs))
         self.store = BlockStore(config.cache_dir, config.cache_size,
                                 _policy(config.policy, config.cache_size), fsync=config.fsync,
                                 direct_io=config.direct_io())

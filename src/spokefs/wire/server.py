@@ -277,6 +277,7 @@ class Api:
             web.get("/v1/datasets/{ds}/snapshots/{snap}/entries/{path:.*}", self.get_entry),
             web.get("/v1/datasets/{ds}/objects/{version}", self.get_object),  # GET and HEAD
             web.post("/v1/datasets/{ds}/blocks", self.read_blocks),
+            *ui_routes(),  # the dashboard: before "/{ref}", which would take "/ui"
             web.get("/", self.root_index),
             web.get("/{ref}", self.plain_redirect),
             web.get("/{ref}/{path:.*}", self.plain_read),
@@ -506,9 +507,11 @@ ADMIN_ROUTES = frozenset({
     ("POST", "/v1/datasets/{ds}/unpin"), ("POST", "/v1/datasets/{ds}/snapshots"),
     ("POST", "/v1/datasets/{ds}/residency"), ("GET", "/v1/inventory"),
 })
-# A job's order, epochs and end belong to the token that announced it (or an admin).
+# A job's order, epochs, step reports and end belong to the token that announced it (or an
+# admin).
 JOB_ROUTES = frozenset({
     ("POST", "/v1/datasets/{ds}/jobs/{job}/order"), ("POST", "/v1/datasets/{ds}/jobs/{job}/epoch"),
+    ("POST", "/v1/datasets/{ds}/jobs/{job}/steps"),
     ("DELETE", "/v1/datasets/{ds}/jobs/{job}"),
 })
 # A replica worker forwards requests it has checked to the primary over the cache folder's
@@ -544,6 +547,8 @@ def auth_middleware(tokens: TokenFile, job_owners: bool = True,
             raise
 
     async def checked(request: web.Request, handler: Callable) -> web.StreamResponse:
+        if request.method in ("GET", "HEAD") and request.path in PUBLIC_PATHS:
+            return await handler(request)  # the dashboard's own files: no data in them
         transport = request.transport
         sock = transport.get_extra_info("socket") if transport is not None else None
         if sock is not None and sock.family == socket.AF_UNIX:
