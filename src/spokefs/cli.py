@@ -14,6 +14,7 @@ import sys
 from pathlib import Path
 
 from spokefs.errors import ConfigError, SpokeError
+from spokefs.logs import ENV_LOG_FORMAT, FORMATS, setup_logging
 
 # Module paths whose register(subparsers) adds subcommands, in --help order.
 COMMAND_MODULES = [
@@ -40,6 +41,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--ca-bundle", metavar="FILE",
                         help="certificate authorities to trust for https hubs and spokes "
                         "(PEM); else SPOKEFS_CA_BUNDLE, else the system's")
+    parser.add_argument("--log-format", choices=FORMATS, default=None,
+                        help="plain lines (default) or JSON lines (one object per line: time, "
+                        f"level, logger, message, fields); else {ENV_LOG_FORMAT}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     sub.required = True
     register_modules(sub, COMMAND_MODULES)
@@ -56,8 +60,8 @@ def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     level = logging.WARNING - 10 * min(args.verbose, 2) if args.verbose else logging.INFO
-    logging.basicConfig(level=level, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     try:
+        setup_logging(level, args.log_format)  # exported: the processes it starts log alike
         if args.token_file:  # every client in this process (and a mount it starts) uses it
             from spokefs.wire.auth import ENV_TOKEN_FILE, read_token_file
 

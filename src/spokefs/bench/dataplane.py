@@ -36,9 +36,9 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import quote
 
-from spokefs.bench.common import machine, table, write_json
-from spokefs.bench.procs import Service, hub_args, spoke_args
+from spokefs.bench.common import have_matplotlib, machine, table, write_json
 from spokefs.integrity import DEFAULT_BLOCK_SIZE, block_count
+from spokefs.procs import Service, hub_args, spoke_args
 from spokefs.units import format_size, parse_size
 
 GOALS = {  # issue 10's goals on a 2-core machine
@@ -603,13 +603,9 @@ def _run(args: argparse.Namespace, names: list[str], workers: list[int], work: P
 
 
 def _plot(results: dict[str, Any], path: Path) -> None:
-    try:
-        import matplotlib
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        print("matplotlib is not installed: no chart (pip install 'spokefs[bench]')")
+    if not have_matplotlib():
         return
+    import matplotlib.pyplot as plt
     fig, axes = plt.subplots(1, 2 * len(results), figsize=(5 * 2 * len(results), 4))
     axes = list(axes) if len(results) * 2 > 1 else [axes]
     for k, (name, r) in enumerate(results.items()):

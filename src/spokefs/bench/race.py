@@ -984,7 +984,7 @@ def code_version() -> dict[str, Any]:
 
 
 def run(args: argparse.Namespace) -> int:
-    from spokefs.bench.common import machine, table, write_json
+    from spokefs.bench.common import have_matplotlib, machine, table, write_json
 
     p = Params.from_args(args)
     out: Path = args.out
@@ -1035,7 +1035,8 @@ def run(args: argparse.Namespace) -> int:
         (out / "table.md").write_text("\n".join(md) + "\n")
         print("\n".join(md))
         try:
-            plot(doc, out / "race.png")
+            if have_matplotlib():
+                plot(doc, out / "race.png")
         except Exception as exc:  # the numbers matter more than the picture
             print(f"no plot: {exc}")
     else:

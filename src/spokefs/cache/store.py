@@ -58,6 +58,7 @@ import xxhash
 
 from spokefs.cache.durable import manifest_file
 from spokefs.cache.segments import Segment, SegmentFiles, aligned, check_hole_punching
+from spokefs.cache.storm import StormWatch
 from spokefs.cache.worker import (
     DELETE_BLOCK,
     DELETE_KV,
@@ -257,6 +258,7 @@ class StoreEvents:
         self.on_evict: Callable[[int], None] = lambda n: None
         self.on_corrupt: Callable[[], None] = lambda: None
         self.on_write_error: Callable[[str], None] = lambda reason: None
+        self.on_prefetch_used: Callable[[int], None] = lambda nbytes: None
         self.changed: list[Callable[[BlockKey, Loc | None], None]] = []
 
 
@@ -272,6 +274,8 @@ class BlockStore:
         self.fsync = fsync
         self.chunk_size = chunk_size
         self.events = StoreEvents()
+        self._storm = StormWatch()
+        self._prefetched: dict[BlockKey, int] = {}  # prefetched blocks not read yet: size
         self.used = 0          # aligned bytes of indexed blocks (what capacity bounds)
         self.data_bytes = 0    # their exact bytes
         self.reserved = 0      # aligned bytes of blocks being fetched or written
@@ -506,13 +510,23 @@ class BlockStore:
             return
         self.events.on_corrupt()
         log.warning("cache: block %s-%d failed its integrity check; dropped, will refetch",
-                    key[0], key[1])
+                    key[0], key[1], extra={"event": "integrity_failure", "where": "cache"})
         self.drop(key, "corrupt")
 
     def touch(self, key: BlockKey) -> None:
         if key in self._records:
             self.policy.access(key)
             self._touched[key] = time.time()
+            if self._prefetched and (size := self._prefetched.pop(key, None)) is not None:
+                self.events.on_prefetch_used(size)
+
+    def prefetched(self, key: BlockKey, size: int, read: bool = False) -> None:
+        """A prefetch brought ``key``: its first read counts as a prefetch used (``read``:
+        a reader already took it on arrival)."""
+        if read:
+            self.events.on_prefetch_used(size)
+        elif key in self._records:
+            self._prefetched[key] = size
 
     def flush_access_times(self, force: bool = False) -> None:
         """Persist recent access times (batched: eviction order survives a restart)."""
@@ -687,7 +701,7 @@ class BlockStore:
     # -- eviction ----------------------------------------------------------------------------
     def _evict_to(self, limit: int) -> bool:
         """Evict until used + reserved <= limit. False if pinned blocks prevent it."""
-        n = 0
+        n, before = 0, self.data_bytes
         while self.used + self.reserved > limit:
             key = self.policy.victim()
             if key is None:
@@ -696,10 +710,18 @@ class BlockStore:
             n += 1
         if n:
             self.events.on_evict(n)
+            storm = self._storm.evicted(before - self.data_bytes, time.monotonic(), self.capacity)
+            if storm is not None:
+                log.warning("cache: eviction storm: %d bytes evicted in the last %g s (%.0f%% "
+                            "of the capacity): the working sets do not fit, or a scan is "
+                            "flushing them", storm, self._storm.window_s,
+                            100 * storm / max(1, self.capacity),
+                            extra={"event": "eviction_storm", "evicted_bytes": storm})
         return self.used + self.reserved <= limit
 
     def _remove(self, key: BlockKey) -> None:
         loc = self._records.pop(key)
+        self._prefetched.pop(key, None)  # evicted unread: a prefetch wasted
         self.policy.remove(key)
         left = self.dataset_bytes.get(loc.dataset, 0) - loc.size
         if left > 0:

@@ -1,4 +1,4 @@
-"""Client commands: ``warm``, ``status``, ``purge``, ``inventory``, ``ls``, ``cat``."""
+"""Client commands: ``warm``, ``status``, ``top``, ``purge``, ``inventory``, ``ls``, ``cat``."""
 
 from __future__ import annotations
 
@@ -31,6 +31,20 @@ def register(sub: argparse._SubParsersAction) -> None:
     status.add_argument("url", metavar="URL", help="http://host:port")
     status.add_argument("--json", action="store_true", help="print raw JSON")
     status.set_defaults(func=_status)
+
+    top = sub.add_parser("top", help="watch a spoke live: cache, link, prefetch, jobs",
+                         description="A live view of a spoke, refreshed every --interval: "
+                         "cache fill and hit ratio, the upstream link (RTT, delivery rate, "
+                         "window, state), fetch queue, prefetch accuracy, evictions, errors, "
+                         "per-dataset residency and warm-up, per-job working sets and (where "
+                         "jobs report steps) data wait. Plain text: works over SSH. q quits.")
+    top.add_argument("url", metavar="URL", help="http://spoke:port")
+    top.add_argument("--interval", type=parse_duration, default=2.0,
+                     help="time between refreshes (default 2s)")
+    top.add_argument("--once", action="store_true", help="print one frame and exit")
+    top.add_argument("--json", action="store_true",
+                     help="print one frame as JSON and exit (for scripts)")
+    top.set_defaults(func=_top)
 
     purge = sub.add_parser("purge", help="drop cached blocks from a spoke",
                            description="Drop every cached block (of one dataset with URL "
@@ -145,6 +159,12 @@ def _status(args: argparse.Namespace) -> int:
         print(f"  prefetch   {format_size(p.get('inflight_bytes', 0))} in flight, "
               f"{format_size(p.get('pinned_bytes', 0))} pinned")
     return 0
+
+
+def _top(args: argparse.Namespace) -> int:
+    from spokefs.client.top import run
+
+    return run(args.url, interval=args.interval, once=args.once, as_json=args.json)
 
 
 def _purge(args: argparse.Namespace) -> int:

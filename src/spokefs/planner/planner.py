@@ -6,6 +6,7 @@ import heapq
 from collections import Counter
 from collections.abc import Container, Iterator, Sequence
 from dataclasses import dataclass, field
+from itertools import islice
 from typing import Any
 
 from spokefs.errors import ConfigError
@@ -192,6 +193,32 @@ class Planner:
     def order_position(self, dataset: str, job: str) -> int | None:
         cur = self._orders.get((dataset, job))
         return cur.pos if cur else None
+
+    def jobs(self, sample: int = 20_000) -> list[dict[str, Any]]:
+        """Per (dataset, job): the working set it is predicted to read (bytes), what is kept
+        resident for it and how much of that is resident now, and an announced order's
+        progress (positions read of those announced). Resident bytes are estimated from an
+        even sample of at most ``sample`` kept blocks: a status call must not walk millions."""
+        out: dict[_JobKey, dict[str, Any]] = {}
+        for jk, ln in self._learners.items():
+            pins = ln.pinned
+            step = max(1, len(pins) // sample)
+            seen = have = 0
+            for key, size in islice(pins.items(), 0, None, step):
+                seen += size
+                have += size if key in self._resident else 0
+            kept = sum(pins.values()) if step > 1 else seen
+            out[jk] = {"dataset": jk[0], "job": jk[1], "learned": ln.scan.learned,
+                       "epochs": ln.scan.epoch,
+                       "working_set_bytes": ln.scan.predicted_bytes() if ln.scan.detected
+                       else None,
+                       "kept_bytes": kept,
+                       "resident_bytes": round(have * kept / seen) if seen else 0}
+        for jk, cur in self._orders.items():
+            d = out.setdefault(jk, {"dataset": jk[0], "job": jk[1]})
+            d["order"] = {"epoch": cur.epoch, "read": cur.dropped + cur.pos,
+                          "positions": cur.dropped + len(cur)}
+        return [out[k] for k in sorted(out)]
 
     def working_set(self, dataset: str, job: str = "") -> WorkingSet | None:
         """What (dataset, job) read in its last complete epoch, to persist."""

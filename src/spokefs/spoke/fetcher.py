@@ -167,7 +167,7 @@ class FetchCancelled(Exception):
 
 
 class Fetch:
-    __slots__ = ("bad", "dataset", "delays", "entry", "future", "key", "started")
+    __slots__ = ("bad", "dataset", "delays", "entry", "future", "key", "prefetch", "started")
 
     def __init__(self, key: BlockKey, dataset: str, future: asyncio.Future[Block],
                  entry: Entry) -> None:
@@ -178,6 +178,7 @@ class Fetch:
         self.started = time.monotonic()
         self.delays: Iterator[float] | None = None
         self.bad = 0  # digest failures
+        self.prefetch = False  # came in a prefetch batch (counted as prefetched bytes)
 
 
 Spawn = Callable[[Coroutine[Any, Any, Any]], asyncio.Task[Any]]
@@ -208,6 +209,8 @@ class Fetcher:
         # Digests of blocks served without being kept (single-block reads send them).
         self.passed: OrderedDict[BlockKey, bytes] = OrderedDict()
         self.last_error: str | None = None
+        self._down_since: float | None = None  # when the link went down (for the log)
+        self._deadline_logged: tuple[float, int] | None = None  # last such line, blocks since
         self._pump_due = False
         self.arenas = Arenas()
         self._hasher: ThreadPoolExecutor | None = None
@@ -331,9 +334,19 @@ class Fetcher:
             await self.client.read_blocks(f"/v1/datasets/{ds}/blocks", body, begin, end,
                                           progress=arrived)
             self.last_error = None
+            if self._down_since is not None:  # one line per transition, not per request
+                log.info("upstream link up: %s answers again after %.1f s down",
+                         self.upstream, time.monotonic() - self._down_since,
+                         extra={"event": "link_up", "upstream": self.upstream})
+                self._down_since = None
         except Transient as exc:
             cause = str(exc)
             self.last_error = cause
+            if self._down_since is None:
+                self._down_since = time.monotonic()
+                log.warning("upstream link down: %s: %s (retrying until each read's "
+                            "deadline, %g s)", self.upstream, cause, self.deadline,
+                            extra={"event": "link_down", "upstream": self.upstream})
             self.metrics.upstream_errors.labels("transient").inc()
         except SpokeError as exc:  # the upstream refused the whole batch: final for each
             final = exc
@@ -367,6 +380,7 @@ class Fetcher:
             return
         assert buf is not None
         self.metrics.upstream_bytes.labels("prefetch" if prefetch else "demand").inc(h.length)
+        f.prefetch = prefetch
         chunk = self.store.chunk_size
         if h.length < HASH_IN_THREAD:
             self._checked(f, h, buf, _digests(payload, chunk), padded)
@@ -382,7 +396,8 @@ class Fetcher:
             f.bad += 1
             self.metrics.integrity_failures.labels("upstream").inc()
             what = f"block {f.key[1]} of {f.key[0]} ({f.dataset})"
-            log.warning("%s from upstream failed its digest check (attempt %d)", what, f.bad)
+            log.warning("%s from upstream failed its digest check (attempt %d)", what, f.bad,
+                        extra={"event": "integrity_failure", "where": "upstream"})
             if f.bad >= MAX_DIGEST_FAILURES:
                 self._end(f, error=IntegrityError(
                     f"{what} failed its digest check {f.bad} times; the upstream's copy may "
@@ -426,6 +441,9 @@ class Fetcher:
                 assert block.written is not None
                 block.written.set_result(kept)
                 self.finished(key, kept)
+                if kept and f.prefetch:  # for prefetch accuracy; a reader that caught it in
+                    # flight (raised to demand) has read it already
+                    self.store.prefetched(key, block.size, read=f.entry.priority == DEMAND)
 
             self.store.write(res, block.view, block.digest, written, block.chunks,
                              block.padded)
@@ -448,6 +466,7 @@ class Fetcher:
                 f.delays = backoff_delays()
             left = f.started + self.deadline - now
             if left <= 0:
+                self._log_deadline(now, cause)
                 self._end(f, error=UpstreamUnavailable(
                     f"upstream {self.upstream} unreachable for {self.deadline:g}s while "
                     f"fetching block {f.key[1]} of {f.key[0]} ({f.dataset}): {cause}",
@@ -458,6 +477,17 @@ class Fetcher:
             again.append(f)
         if again:
             asyncio.get_running_loop().call_later(delay, self._requeue_all, again)
+
+    def _log_deadline(self, now: float, cause: str) -> None:
+        # At most one line in 10 s: an outage fails every block in flight at once.
+        last, count = self._deadline_logged or (now - 10.0, 0)
+        if now - last < 10.0:
+            self._deadline_logged = (last, count + 1)
+            return
+        log.warning("deadline exceeded: upstream %s gave no block for %g s (%d more blocks "
+                    "since the last such line): %s", self.upstream, self.deadline, count,
+                    cause, extra={"event": "deadline_exceeded", "upstream": self.upstream})
+        self._deadline_logged = (now, 0)
 
     def _requeue_all(self, fetches: list[Fetch]) -> None:
         for f in fetches:

@@ -175,4 +175,5 @@ class PrefetchDriver:
     def stats(self) -> dict[str, Any]:
         return {"inflight_bytes": self.planner.prefetch_inflight_bytes,
                 "pinned_bytes": self.planner.pinned_bytes,
-                **getattr(self.planner, "stats", {})}
+                **getattr(self.planner, "stats", {}),
+                "working_sets": self.planner.jobs()}  # per (dataset, job), for `spokefs top`

@@ -196,6 +196,7 @@ class SpokeBackend:
         ev.on_evict = self.metrics.evictions.inc
         ev.on_corrupt = lambda: self.metrics.integrity_failures.labels("cache").inc()
         ev.on_write_error = lambda reason: self.metrics.write_errors.labels(reason).inc()
+        ev.on_prefetch_used = self.metrics.prefetch_used_bytes.inc
         self.metrics.cache_capacity.set(self.store.capacity)
         self.metrics.cache_bytes.set_function(lambda: self.store.data_bytes)
         self.metrics.cache_writable.set_function(lambda: 1 if self.store.writable else 0)
@@ -794,11 +795,19 @@ class SpokeBackend:
         # A bounded window of fetches queued at a time: a million blocks is not a million
         # futures; enough that batches stay full.
         window = asyncio.Semaphore(max(1024, 4 * self.config.max_inflight))
-        failed = 0
+        failed = pending = 0
+        began, ended = time.monotonic(), asyncio.Event()
+        asked = self.metrics.warm_blocks.labels(name)  # progress: done over asked
+        progress = self.metrics.warm_done_blocks.labels(name)
+        asked.inc(len(keys))
 
         def done(fut: asyncio.Future[Block]) -> None:
-            nonlocal failed
+            nonlocal failed, pending
             window.release()
+            progress.inc()
+            pending -= 1
+            if pending == 0:
+                ended.set()
             if not fut.cancelled() and fut.exception() is not None:
                 failed += 1
                 if failed <= 3:
@@ -809,10 +818,22 @@ class SpokeBackend:
             await window.acquire()
             if key in self.store:
                 window.release()
+                progress.inc()
                 continue
+            pending += 1
+            ended.clear()
             self.fetcher.want(name, key, WARM).add_done_callback(done)
+        if pending:
+            await ended.wait()
+        took = time.monotonic() - began
+        fields = {"event": "warmup_done", "dataset": name, "blocks": len(keys),
+                  "failed_blocks": failed, "seconds": round(took, 3)}
         if failed:
-            log.warning("warm: %d blocks of %s were not fetched", failed, name)
+            log.warning("warm-up of %s ended: %d of %d blocks were not fetched (%.1f s)",
+                        name, failed, len(keys), took, extra=fields)
+        else:
+            log.info("warm-up of %s done: %d blocks in %.1f s", name, len(keys), took,
+                     extra=fields)
 
     RESIDENCY_SLICE = 20_000  # files looked at between turns of the event loop
 

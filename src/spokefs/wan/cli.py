@@ -96,13 +96,14 @@ def main(argv: list[str] | None = None) -> int:
     """``python -m spokefs.wan``: the same command without the rest of the spokefs CLI."""
     import logging
 
+    from spokefs.logs import setup_logging
+
     p = argparse.ArgumentParser(prog="python -m spokefs.wan", description=DESCRIPTION,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     add_arguments(p)
     args = p.parse_args(argv)
-    logging.basicConfig(level=logging.INFO,
-                        format="%(asctime)s %(name)s %(levelname)s %(message)s")
     try:
+        setup_logging(logging.INFO)  # plain, or JSON lines with SPOKEFS_LOG_FORMAT=json
         return run(args)
     except SpokeError as exc:
         print(f"spokefs wan: error: {exc}", file=sys.stderr)

@@ -19,8 +19,7 @@ from typing import Any
 
 from tqdm import tqdm
 
-from spokefs.bench.common import machine, table, write_json
-from spokefs.bench.procs import Service, hub_args
+from spokefs.bench.common import have_matplotlib, machine, table, write_json
 from spokefs.bench.training import metrics
 from spokefs.bench.training.datasets import (
     BuiltDataset,
@@ -40,6 +39,7 @@ from spokefs.bench.training.scenarios import (
     wan_bytes,
 )
 from spokefs.errors import ConfigError
+from spokefs.procs import Service, hub_args
 
 MiB = 1 << 20
 LINKS = ("wide", "narrow")
@@ -269,7 +269,7 @@ def finish(cfg: TrainConfig, results: dict[str, dict[str, Any]],
     write_json(cfg.out, doc)
     write_timeline(cfg.out / "timeline.csv", timelines)
     figures = []
-    if results:
+    if results and have_matplotlib():
         figures.append(str(plot_timelines(cfg.out / "timeline.png", timelines, results,
                                           _title(cfg))))
         figures.append(str(plot_bars(cfg.out / "summary.png", results)))
