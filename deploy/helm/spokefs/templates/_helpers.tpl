@@ -1,0 +1,173 @@
+{{- define "spokefs.name" -}}
+{{- default .Chart.Name .Values.nameOverride | trunc 63 | trimSuffix "-" -}}
+{{- end -}}
+
+{{- define "spokefs.fullname" -}}
+{{- if .Values.fullnameOverride -}}
+{{- .Values.fullnameOverride | trunc 40 | trimSuffix "-" -}}
+{{- else if contains (include "spokefs.name" .) .Release.Name -}}
+{{- .Release.Name | trunc 40 | trimSuffix "-" -}}
+{{- else -}}
+{{- printf "%s-%s" .Release.Name (include "spokefs.name" .) | trunc 40 | trimSuffix "-" -}}
+{{- end -}}
+{{- end -}}
+
+{{- define "spokefs.labels" -}}
+helm.sh/chart: {{ printf "%s-%s" .Chart.Name .Chart.Version | replace "+" "_" }}
+app.kubernetes.io/name: {{ include "spokefs.name" . }}
+app.kubernetes.io/instance: {{ .Release.Name }}
+app.kubernetes.io/version: {{ .Chart.AppVersion | quote }}
+app.kubernetes.io/managed-by: {{ .Release.Service }}
+{{- end -}}
+
+{{/* selector labels of one component: (dict "root" . "component" "spoke") */}}
+{{- define "spokefs.selector" -}}
+app.kubernetes.io/name: {{ include "spokefs.name" .root }}
+app.kubernetes.io/instance: {{ .root.Release.Name }}
+app.kubernetes.io/component: {{ .component }}
+{{- end -}}
+
+{{- define "spokefs.image" -}}
+{{ printf "%s:%s" .Values.image.repository (default .Chart.AppVersion .Values.image.tag) | quote }}
+{{- end -}}
+
+{{- define "spokefs.scheme" -}}
+{{- if .Values.tls.enabled }}https{{ else }}http{{ end -}}
+{{- end -}}
+
+{{- define "spokefs.tokenSecret" -}}
+{{- default (printf "%s-tokens" (include "spokefs.fullname" .)) .Values.auth.secretName -}}
+{{- end -}}
+
+{{- define "spokefs.tlsSecret" -}}
+{{- default (printf "%s-tls" (include "spokefs.fullname" .)) .Values.tls.secretName -}}
+{{- end -}}
+
+{{- define "spokefs.caSecret" -}}
+{{- default (include "spokefs.tlsSecret" .) .Values.tls.caSecretName -}}
+{{- end -}}
+
+{{- define "spokefs.hubName" -}}{{ include "spokefs.fullname" . }}-hub{{- end -}}
+{{- define "spokefs.spokeName" -}}{{ include "spokefs.fullname" . }}-spoke{{- end -}}
+{{- define "spokefs.headlessName" -}}{{ include "spokefs.fullname" . }}-spoke-headless{{- end -}}
+{{- define "spokefs.mountName" -}}{{ include "spokefs.fullname" . }}-mount{{- end -}}
+
+{{- define "spokefs.hubUrl" -}}
+{{- printf "%s://%s.%s.svc.%s:%v" (include "spokefs.scheme" .) (include "spokefs.hubName" .) .Release.Namespace .Values.clusterDomain .Values.hub.port -}}
+{{- end -}}
+
+{{- define "spokefs.upstream" -}}
+{{- if .Values.spoke.upstream -}}
+{{- .Values.spoke.upstream -}}
+{{- else if .Values.hub.enabled -}}
+{{- include "spokefs.hubUrl" . -}}
+{{- else -}}
+{{- fail "spoke.upstream is required when hub.enabled is false (the hub's URL, e.g. https://hub.example.org:8470)" -}}
+{{- end -}}
+{{- end -}}
+
+{{- define "spokefs.spokeUrl" -}}
+{{- if .Values.mount.spokeUrl -}}
+{{- .Values.mount.spokeUrl -}}
+{{- else if .Values.spoke.enabled -}}
+{{- printf "%s://%s.%s.svc.%s:%v" (include "spokefs.scheme" .) (include "spokefs.spokeName" .) .Release.Namespace .Values.clusterDomain .Values.spoke.port -}}
+{{- else -}}
+{{- fail "mount.spokeUrl is required when spoke.enabled is false" -}}
+{{- end -}}
+{{- end -}}
+
+{{/*
+Global options every spokefs command in a pod takes: the token it presents and the CA it trusts.
+(dict "root" . "token" "monitor.token")
+*/}}
+{{- define "spokefs.clientArgs" -}}
+{{- if and .root.Values.auth.enabled .token }}
+- --token-file=/etc/spokefs/tokens/{{ .token }}
+{{- end }}
+{{- if .root.Values.tls.enabled }}
+- --ca-bundle=/etc/spokefs/ca/{{ .root.Values.tls.caKey }}
+{{- end }}
+{{- end -}}
+
+{{/* Server options for tokens and TLS: (dict "root" . "tokens" "hub.tokens") */}}
+{{- define "spokefs.serverArgs" -}}
+{{- if .root.Values.auth.enabled }}
+- --auth=/etc/spokefs/tokens/{{ .tokens }}
+{{- else }}
+- --insecure
+{{- end }}
+{{- if .root.Values.tls.enabled }}
+- --tls-cert=/etc/spokefs/tls/tls.crt
+- --tls-key=/etc/spokefs/tls/tls.key
+{{- end }}
+{{- end -}}
+
+{{/*
+Readiness: GET /v1/status. With tokens a kubelet httpGet would need the token in the pod spec,
+so the probe runs `spokefs status` with monitor.token instead (~0.8 CPU-s a probe, hence the
+long period). (dict "root" . "port" 8471)
+*/}}
+{{- define "spokefs.readiness" -}}
+{{- if or .root.Values.auth.enabled .root.Values.tls.enabled -}}
+exec:
+  command:
+    - spokefs
+    {{- include "spokefs.clientArgs" (dict "root" .root "token" "monitor.token") | trim | nindent 4 }}
+    - status
+    - --json
+    - {{ printf "%s://localhost:%v" (include "spokefs.scheme" .root) .port }}
+timeoutSeconds: 10
+periodSeconds: 20
+{{- else -}}
+httpGet:
+  path: /v1/status
+  port: http
+timeoutSeconds: 5
+periodSeconds: 10
+{{- end }}
+failureThreshold: 3
+{{- end -}}
+
+{{/* Token and CA volumes: (dict "root" . "keys" (list "monitor.token" ...) "server" true) */}}
+{{- define "spokefs.secretVolumes" -}}
+{{- if .root.Values.auth.enabled }}
+- name: tokens
+  secret:
+    secretName: {{ include "spokefs.tokenSecret" .root }}
+    defaultMode: 0440
+    items:
+      {{- range .keys }}
+      - key: {{ . }}
+        path: {{ . }}
+      {{- end }}
+{{- end }}
+{{- if .root.Values.tls.enabled }}
+{{- if .server }}
+- name: tls
+  secret:
+    secretName: {{ include "spokefs.tlsSecret" .root }}
+    defaultMode: 0440
+    items:
+      - {key: tls.crt, path: tls.crt}
+      - {key: tls.key, path: tls.key}
+{{- end }}
+- name: ca
+  secret:
+    secretName: {{ include "spokefs.caSecret" .root }}
+    items:
+      - key: {{ .root.Values.tls.caKey }}
+        path: {{ .root.Values.tls.caKey }}
+{{- end }}
+{{- end -}}
+
+{{- define "spokefs.secretMounts" -}}
+{{- if .root.Values.auth.enabled }}
+- {name: tokens, mountPath: /etc/spokefs/tokens, readOnly: true}
+{{- end }}
+{{- if .root.Values.tls.enabled }}
+{{- if .server }}
+- {name: tls, mountPath: /etc/spokefs/tls, readOnly: true}
+{{- end }}
+- {name: ca, mountPath: /etc/spokefs/ca, readOnly: true}
+{{- end }}
+{{- end -}}
