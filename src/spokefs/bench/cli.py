@@ -19,6 +19,7 @@ BENCH_MODULES = [
     "spokefs.bench.race",
     "spokefs.bench.chaos",
     "spokefs.bench.abuse",
+    "spokefs.bench.s3client",
 ]
 
 

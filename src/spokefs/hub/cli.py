@@ -12,14 +12,18 @@ from spokefs.wire.authargs import add_auth_arguments, tls_paths
 
 
 def register(sub: argparse._SubParsersAction) -> None:
-    hub = sub.add_parser("hub", help="publish a directory tree as a dataset",
+    hub = sub.add_parser("hub", help="publish a directory tree or a bucket as a dataset",
                          description="The hub: where a dataset lives, the source of truth.")
     hsub = hub.add_subparsers(dest="hub_command", metavar="ACTION")
     hsub.required = True
 
     def common(p: argparse.ArgumentParser) -> None:
-        p.add_argument("dir", metavar="DIR", help="the dataset's folder")
-        p.add_argument("--name", help="dataset name (default: the folder's name)")
+        p.add_argument("dir", metavar="DIR", help="the dataset's folder, or s3://BUCKET/PREFIX "
+                       "(docs/s3.md)")
+        p.add_argument("--name", help="dataset name (default: the folder's name, or the "
+                       "prefix's last part)")
+        p.add_argument("--endpoint-url", help="an S3-compatible store's endpoint (default: "
+                       "AWS_ENDPOINT_URL, else AWS)")
         p.add_argument("--state-dir", help="where snapshots and hashing work are kept "
                        "(default: ~/.local/state/spokefs/hub/NAME-HASH)")
         p.add_argument("--block-size", type=parse_size, default=DEFAULT_BLOCK_SIZE,
@@ -39,6 +43,8 @@ def register(sub: argparse._SubParsersAction) -> None:
                            description="Walk DIR, hash new and changed files, and list a new "
                            "snapshot if anything changed. Earlier snapshots stay listed.")
     common(snap)
+    snap.add_argument("--hash", action="store_true", help="s3:// only: read every object now "
+                      "and record its block digests (else they are made as blocks are read)")
     snap.set_defaults(func=_snapshot)
 
 
@@ -48,6 +54,10 @@ def _serve(args: argparse.Namespace) -> int:
     from spokefs.wire.run import serve_forever
     from spokefs.wire.server import build_app
 
+    if args.dir.startswith("s3://"):
+        from spokefs.hub.bucket import serve_bucket
+
+        return serve_bucket(args)
     if args.auth is not None:
         from spokefs.wire.auth import TokenFile
 
@@ -72,6 +82,10 @@ def _serve(args: argparse.Namespace) -> int:
 def _snapshot(args: argparse.Namespace) -> int:
     from spokefs.hub.backend import open_state
 
+    if args.dir.startswith("s3://"):
+        from spokefs.hub.bucket import snapshot_bucket
+
+        return snapshot_bucket(args)
     state = open_state(args.dir, args.name, args.state_dir, args.block_size)
     try:
         result = state.scan(show_progress=True)

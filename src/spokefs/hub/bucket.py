@@ -1,0 +1,582 @@
+"""The hub over a bucket: ``spokefs hub serve s3://bucket/prefix`` (docs/s3.md).
+
+The objects under the prefix are published as a dataset (keys become paths), through the same
+HTTP API as a directory (``wire/server.py``), so spokes, mounts and clients work unchanged.
+
+- **A snapshot is a listing**, pinned by each object's ETag (and VersionId where the bucket
+  keeps versions): no byte is read to make one, so a snapshot of a large bucket costs its
+  listing requests only (1,000 keys a request, no request per object).
+- **A version id** binds bucket, key, size, ETag, VersionId and block size
+  (``version_id``): blake2b-128, 32 lower-case hex digits, like a directory's (which digests
+  the content instead: a bucket's identity is what it says of the object, so a snapshot need
+  not read it). An overwritten object gets a new version id; cached blocks never mix.
+- **Block digests are made as blocks are read** (xxh3-128, ``integrity``), then kept in the
+  state database: a block read again is checked against the digest it had the first time
+  (never served if it differs). ``spokefs hub snapshot s3://... --hash`` reads and records
+  them all ahead.
+- **Every read is conditional** (If-Match the ETag; the VersionId where known): an object
+  overwritten or deleted since the snapshot is a 410 ``version_gone``, never other bytes.
+  The hub reads whole blocks only, so every byte it serves is checked or recorded.
+
+Keys that cannot be a path of a POSIX tree are left out, each with a warning (``key_paths``):
+a key ending in "/" is a folder marker (an empty folder; left out if it has content), a key
+with an empty, "." or ".." part is left out, and a key that is also a folder (``a/b`` when
+``a/b/c`` exists) is left out: the folder wins, whatever order the keys were written in.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import hashlib
+import json
+import logging
+import os
+import sqlite3
+import threading
+import time
+from collections.abc import AsyncIterator, Iterable
+from dataclasses import dataclass
+from pathlib import Path
+
+from prometheus_client import CollectorRegistry, Counter
+
+from spokefs import integrity
+from spokefs.errors import (
+    BadRequest,
+    ConfigError,
+    IntegrityError,
+    NotFound,
+    SpokeError,
+    TooLarge,
+    VersionGone,
+)
+from spokefs.hub.snapshot import ScanResult, SnapshotInfo
+from spokefs.manifest import Manifest
+from spokefs.origin.s3 import BucketUrl, ObjectInfo, S3Origin, parse_bucket_url
+from spokefs.wire.backend import BlockPart, DatasetInfo, ManifestMemo, ReadContext, Segment
+
+log = logging.getLogger(__name__)
+
+MODE = 0o444            # published read-only; a bucket has no permission bits to keep
+GETS_IN_FLIGHT = 64     # ranged GETs at once (S3: ~85-90 MB/s each, so a fast link needs many)
+READ_AHEAD = 4          # blocks fetched ahead of a plain read's position
+BATCH_BYTES = 64 << 20  # bytes one batch read may hold in memory (see read_blocks)
+FLUSH_AFTER = 0.2       # seconds new digests wait, gathered, before they are written
+REFRESH_EVERY = 1.0     # seconds between checks for a snapshot made by another process
+RESERVED_NAMES = {"v1", "metrics"}
+
+_SCHEMA = """
+CREATE TABLE IF NOT EXISTS objects (
+    version TEXT PRIMARY KEY, key TEXT, size INTEGER, etag TEXT, version_id TEXT,
+    mtime_ns INTEGER);
+CREATE TABLE IF NOT EXISTS digests (
+    version TEXT, idx INTEGER, digest BLOB, PRIMARY KEY (version, idx)) WITHOUT ROWID;
+CREATE TABLE IF NOT EXISTS snapshots (
+    seq INTEGER PRIMARY KEY AUTOINCREMENT, id TEXT UNIQUE, created REAL, files INTEGER,
+    bytes INTEGER);
+CREATE TABLE IF NOT EXISTS settings (key TEXT PRIMARY KEY, value TEXT);
+"""
+
+
+def version_id(bucket: str, obj: ObjectInfo, block_size: int) -> str:
+    """The version id of an object as listed (32 hex, the form ``manifest`` requires)."""
+    h = hashlib.blake2b(digest_size=16)
+    for part in ("s3", bucket, obj.key, str(obj.size), obj.etag, obj.version_id or "",
+                 str(block_size)):
+        h.update(part.encode())
+        h.update(b"\0")  # no part holds a NUL, so the parts cannot run into each other
+    return h.hexdigest()
+
+
+def key_paths(objects: Iterable[ObjectInfo], prefix: str
+              ) -> tuple[dict[str, ObjectInfo], list[str], list[tuple[str, str]]]:
+    """(path -> object, every folder sorted with "" first, [(key, why left out)])."""
+    files: dict[str, ObjectInfo] = {}
+    markers: set[str] = set()
+    skipped: list[tuple[str, str]] = []
+    for o in objects:
+        rel = o.key[len(prefix):]
+        if not rel or rel == "/":
+            continue  # a marker of the prefix itself
+        if rel.endswith("/"):
+            if o.size:
+                skipped.append((o.key, "it ends with '/' and has content (not a file name)"))
+            elif _clean(rel[:-1]):
+                markers.add(rel[:-1])
+            continue
+        if not _clean(rel):
+            skipped.append((o.key, "it has an empty, '.' or '..' part, or a NUL"))
+            continue
+        files[rel] = o
+    dirs = {""}
+    for p in [*files, *markers]:
+        parts = p.split("/")
+        dirs.update("/".join(parts[:i]) for i in range(1, len(parts)))
+    dirs.update(markers)
+    for p in sorted(dirs.intersection(files)):
+        skipped.append((files.pop(p).key, "it is also a folder (another key goes on under "
+                                          "it): the folder is published"))
+    return files, sorted(dirs), skipped
+
+
+def _clean(path: str) -> bool:
+    return "\x00" not in path and all(c not in ("", ".", "..") for c in path.split("/"))
+
+
+@dataclass(frozen=True, slots=True)
+class _View:
+    """What reads use, replaced whole in one assignment."""
+
+    snaps: list[SnapshotInfo]
+    by_version: dict[str, ObjectInfo]
+    data_version: int
+
+
+class BucketState:
+    """One bucket dataset's memory: listed objects, snapshots, manifests, block digests
+    (SQLite + manifest files in ``state_dir``)."""
+
+    def __init__(self, url: BucketUrl, origin: S3Origin, state_dir: Path, name: str,
+                 block_size: int = integrity.DEFAULT_BLOCK_SIZE) -> None:
+        self.url = url
+        self.origin = origin
+        self.state_dir = state_dir
+        self.name = name
+        self.block_size = block_size
+        self.root = str(url)  # shown in status, as a directory hub shows its folder
+        self._db: sqlite3.Connection | None = None
+        self._lock = threading.Lock()  # one connection, used from the loop and threads
+        self._view = _View([], {}, -1)
+        self.digests: dict[tuple[str, int], bytes] = {}
+
+    def open(self) -> BucketState:
+        (self.state_dir / "manifests").mkdir(parents=True, exist_ok=True)
+        db = sqlite3.connect(self.state_dir / "state.sqlite", check_same_thread=False,
+                             isolation_level=None, timeout=30)
+        db.execute("PRAGMA journal_mode=WAL")
+        db.execute("PRAGMA synchronous=NORMAL")
+        db.executescript(_SCHEMA)
+        with self._lock:
+            db.execute("BEGIN IMMEDIATE")
+            try:
+                for key, value in (("block_size", str(self.block_size)),
+                                   ("source", str(self.url))):
+                    db.execute("INSERT OR IGNORE INTO settings VALUES (?, ?)", (key, value))
+                row = db.execute("SELECT value FROM settings WHERE key='block_size'").fetchone()
+                self.block_size = int(row[0])  # digests depend on it: keep the first one
+                row = db.execute("SELECT value FROM settings WHERE key='source'").fetchone()
+                if row[0] != str(self.url):
+                    raise ConfigError(f"state folder {self.state_dir} belongs to {row[0]}, "
+                                      f"not {self.url}: give another --state-dir")
+                db.execute("COMMIT")
+            except BaseException:
+                db.execute("ROLLBACK")
+                db.close()
+                raise
+            self._db = db
+            self._load_locked()
+        return self
+
+    def close(self) -> None:
+        if self._db is not None:
+            self._db.close()
+            self._db = None
+
+    @property
+    def db(self) -> sqlite3.Connection:
+        if self._db is None:
+            raise RuntimeError("BucketState.open() was not called")
+        return self._db
+
+    def _load_locked(self) -> None:
+        db = self.db
+        db.execute("BEGIN")
+        try:
+            dv = db.execute("PRAGMA data_version").fetchone()[0]
+            snaps = [SnapshotInfo(*r) for r in db.execute(
+                "SELECT id, seq, created, files, bytes FROM snapshots ORDER BY seq")]
+            by_version = {r[0]: ObjectInfo(*r[1:]) for r in db.execute(
+                "SELECT version, key, size, etag, version_id, mtime_ns FROM objects")}
+            digests = {(r[0], r[1]): r[2] for r in db.execute(
+                "SELECT version, idx, digest FROM digests")}
+        finally:
+            db.execute("COMMIT")
+        digests.update(self.digests)  # made here and not yet written
+        self.digests = digests
+        self._view = _View(snaps, by_version, dv)
+
+    def refresh(self) -> bool:
+        """Reload if another process (``spokefs hub snapshot``) committed; never waits."""
+        if not self._lock.acquire(blocking=False):
+            return False
+        try:
+            if self.db.execute("PRAGMA data_version").fetchone()[0] == self._view.data_version:
+                return False
+            self._load_locked()
+            return True
+        finally:
+            self._lock.release()
+
+    def snapshots(self) -> list[SnapshotInfo]:
+        return self._view.snaps
+
+    def resolve(self, snap: str) -> SnapshotInfo:
+        snaps = self._view.snaps
+        if snap == "latest" and snaps:
+            return snaps[-1]
+        for s in snaps:
+            if s.id == snap:
+                return s
+        raise NotFound(f"dataset {self.name!r} has no snapshot {snap!r}")
+
+    def manifest_path(self, snap_id: str) -> Path:
+        return self.state_dir / "manifests" / f"{snap_id}.json.gz"
+
+    def stored(self, version: str) -> ObjectInfo | None:
+        return self._view.by_version.get(version)
+
+    def save_digests(self, rows: list[tuple[str, int, bytes]]) -> None:
+        with self._lock:
+            self.db.execute("BEGIN IMMEDIATE")
+            try:
+                self.db.executemany("INSERT OR REPLACE INTO digests VALUES (?,?,?)", rows)
+                self.db.execute("COMMIT")
+            except BaseException:
+                self.db.execute("ROLLBACK")
+                raise
+
+    # -- snapshots (blocking: the CLI, or a thread) --------------------------------------
+    def scan(self, show_progress: bool = False) -> ScanResult:
+        """List the bucket under the prefix and record a snapshot if anything changed."""
+        objects = list(self.origin.list(self.origin.versioned()))
+        files, dirs, skipped = key_paths(objects, self.url.prefix)
+        for key, why in skipped:
+            log.warning("left out key %r: %s", key, why)
+        rows = []
+        paths = sorted(files)
+        versions = []
+        for p in paths:
+            o = files[p]
+            v = version_id(self.url.bucket, o, self.block_size)
+            versions.append(v)
+            rows.append((v, o.key, o.size, o.etag, o.version_id, o.mtime_ns))
+        m = Manifest(self.name, "", 0.0, self.block_size, paths, [files[p].size for p in paths],
+                     [MODE] * len(paths), [files[p].mtime_ns for p in paths], versions, dirs)
+        with self._lock:
+            db = self.db
+            db.execute("BEGIN IMMEDIATE")
+            try:
+                db.executemany("INSERT OR IGNORE INTO objects VALUES (?,?,?,?,?,?)", rows)
+                result = self._record_snapshot(db, m)
+                db.execute("COMMIT")
+            except BaseException:
+                db.execute("ROLLBACK")
+                raise
+            self._load_locked()
+        if result.created_new:
+            s = result.snapshot
+            log.info("snapshot %s of %s: %d objects, %d bytes (%d keys left out)", s.id,
+                     self.name, s.files, s.bytes, len(skipped))
+        return result
+
+    def _record_snapshot(self, db: sqlite3.Connection, m: Manifest) -> ScanResult:
+        snap_id = m.content_id()
+        existing = db.execute("SELECT id, seq, created, files, bytes FROM snapshots WHERE id=?",
+                              (snap_id,)).fetchone()
+        latest = db.execute("SELECT id FROM snapshots ORDER BY seq DESC LIMIT 1").fetchone()
+        if existing is not None and latest is not None and latest[0] == snap_id:
+            return ScanResult(SnapshotInfo(*existing), False, 0, 0)
+        created = time.time()
+        m = Manifest(self.name, snap_id, created, m.block_size, m.paths, m.sizes, m.modes,
+                     m.mtimes, m.versions, m.dirs)
+        target = self.manifest_path(snap_id)
+        tmp = target.with_suffix(".tmp")
+        tmp.write_bytes(m.encode())
+        os.replace(tmp, target)  # manifest on disk before the snapshot is listed
+        if existing is not None:  # the bucket went back to an earlier listing: list it again
+            db.execute("DELETE FROM snapshots WHERE id=?", (snap_id,))
+        cur = db.execute("INSERT INTO snapshots (id, created, files, bytes) VALUES (?,?,?,?)",
+                         (snap_id, created, len(m.paths), m.total_bytes))
+        info = SnapshotInfo(snap_id, int(cur.lastrowid or 0), created, len(m.paths),
+                            m.total_bytes)
+        return ScanResult(info, True, 0, 0)
+
+
+class BucketBackend:
+    """A bucket dataset as a ``Backend`` (wire/backend.py): whole blocks by conditional
+    ranged GETs, many in flight, one GET per block however many readers want it."""
+
+    role = "hub"
+
+    def __init__(self, state: BucketState) -> None:
+        if state.name in RESERVED_NAMES:
+            raise BadRequest(f"dataset name {state.name!r} is reserved; pick another with "
+                             "--name")
+        self.st = state
+        self.registry = CollectorRegistry()
+        self._manifests = ManifestMemo()
+        self._scan_lock = asyncio.Lock()
+        self._checked = 0.0
+        self._gets: asyncio.Semaphore | None = None
+        self._flying: dict[tuple[str, int], asyncio.Task[memoryview]] = {}
+        self._pending: list[tuple[str, int, bytes]] = []
+        self._flusher: asyncio.Task[None] | None = None
+        self.gone = Counter("spokefs_hub_versions_gone", "Reads of versions no longer in the "
+                            "bucket as snapshotted", registry=self.registry)
+        self.origin_gets = Counter("spokefs_hub_origin_gets", "Ranged GETs sent to the bucket",
+                                   registry=self.registry)
+        self.origin_bytes = Counter("spokefs_hub_origin_bytes", "Bytes read from the bucket",
+                                    registry=self.registry)
+        self.mismatches = Counter("spokefs_hub_digest_mismatches", "Blocks whose bytes "
+                                  "differed from their recorded digest (not served)",
+                                  registry=self.registry)
+
+    def _state(self, name: str) -> BucketState:
+        if name != self.st.name:
+            raise NotFound(f"no dataset {name!r} on this hub (it has: {self.st.name})")
+        now = time.monotonic()
+        if now - self._checked > REFRESH_EVERY:
+            self._checked = now
+            self.st.refresh()
+        return self.st
+
+    async def datasets(self) -> list[DatasetInfo]:
+        return [await self.dataset(self.st.name)]
+
+    async def dataset(self, name: str) -> DatasetInfo:
+        st = self._state(name)
+        snaps = st.snapshots()
+        return DatasetInfo(name, st.block_size, snaps[-1].id if snaps else None,
+                           [s.to_json() for s in snaps])
+
+    async def resolve(self, name: str, snap: str) -> str:
+        return self._state(name).resolve(snap).id
+
+    def snapshots_used(self, name: str, snap_ids: list[str]) -> None:
+        """Every snapshot's manifest is kept; which ones readers use changes nothing."""
+
+    async def manifest_blob(self, name: str, snap_id: str) -> bytes:
+        st = self._state(name)
+        st.resolve(snap_id)
+        return await asyncio.to_thread(st.manifest_path(snap_id).read_bytes)
+
+    async def manifest(self, name: str, snap_id: str) -> Manifest:
+        return (await self._manifests.get(name, snap_id, self.manifest_blob))[0]
+
+    def _stored(self, name: str, version: str) -> ObjectInfo:
+        st = self._state(name)
+        obj = st.stored(version)
+        if obj is None and st.refresh():
+            obj = st.stored(version)
+        if obj is None:
+            self.gone.inc()
+            raise VersionGone(f"version {version} of a file in {name!r} is not on this hub; "
+                              "use a newer snapshot")
+        return obj
+
+    async def object_size(self, name: str, version: str) -> int:
+        return self._stored(name, version).size
+
+    async def block_digest(self, name: str, version: str, index: int) -> bytes | None:
+        return self._state(name).digests.get((version, index))
+
+    # -- blocks ------------------------------------------------------------------------------
+    async def _block(self, version: str, obj: ObjectInfo, index: int) -> memoryview:
+        """Block ``index`` of ``obj``, checked against its recorded digest or recorded now.
+        Readers of one block share one GET."""
+        key = (version, index)
+        task = self._flying.get(key)
+        if task is None:
+            # Its own task: a reader that gives up (a plain read cancels its read-ahead)
+            # does not cancel the GET others wait for.
+            task = asyncio.get_running_loop().create_task(self._fetch(version, obj, index))
+            self._flying[key] = task
+            task.add_done_callback(lambda t: self._landed(key, t))
+        return await asyncio.shield(task)
+
+    def _landed(self, key: tuple[str, int], task: asyncio.Task[memoryview]) -> None:
+        if self._flying.get(key) is task:
+            del self._flying[key]
+        if not task.cancelled():
+            task.exception()  # retrieved: no warning when every reader had gone
+
+    async def _fetch(self, version: str, obj: ObjectInfo, index: int) -> memoryview:
+        if self._gets is None:
+            self._gets = asyncio.Semaphore(GETS_IN_FLIGHT)
+        start, end = integrity.block_span(index, obj.size, self.st.block_size)
+        async with self._gets:
+            self.origin_gets.inc()
+            try:
+                data = await self.st.origin.get(obj, start, end)
+            except VersionGone:
+                self.gone.inc()
+                raise
+        self.origin_bytes.inc(len(data))
+        digest = integrity.block_digest(data)  # xxh3: ~0.3 ms for 4 MiB, not worth a thread
+        known = self.st.digests.get((version, index))
+        if known is None:
+            self.st.digests[(version, index)] = digest
+            self._pending.append((version, index, digest))
+            if self._flusher is None:
+                self._flusher = asyncio.get_running_loop().create_task(self._flush())
+        elif known != digest:
+            self.mismatches.inc()
+            log.error("block %d of %r (version %s) read from the bucket differs from its "
+                      "recorded digest: not served", index, obj.key, version)
+            raise IntegrityError(f"block {index} of version {version} differs from what the "
+                                 "bucket gave before under the same ETag; not served")
+        return data
+
+    async def _flush(self) -> None:
+        try:
+            await asyncio.sleep(FLUSH_AFTER)
+        finally:
+            self._flusher = None
+        rows, self._pending = self._pending, []
+        if rows:
+            try:
+                await asyncio.to_thread(self.st.save_digests, rows)
+            except sqlite3.Error as exc:  # kept in memory; recomputed after a restart
+                log.warning("could not record %d block digests: %s", len(rows), exc)
+
+    async def read(self, name: str, version: str, start: int, end: int,
+                   ctx: ReadContext | None = None) -> AsyncIterator[Segment]:
+        obj = self._stored(name, version)
+        bs = self.st.block_size
+        blocks = integrity.blocks_in_range(start, end, bs)
+        ahead: dict[int, asyncio.Task[memoryview]] = {}
+        try:
+            for i in blocks:
+                for j in range(i, min(i + READ_AHEAD, blocks.stop)):
+                    if j not in ahead:
+                        ahead[j] = asyncio.ensure_future(self._block(version, obj, j))
+                data = await ahead.pop(i)
+                lo = max(start - i * bs, 0)
+                yield data[lo:min(end - i * bs, len(data))]
+        finally:
+            for t in ahead.values():
+                t.cancel()
+
+    async def read_blocks(self, name: str, blocks: list[tuple[str, int]]) -> list[BlockPart]:
+        bs = self._state(name).block_size
+        # A batch is answered from memory (a folder's hub sends from its files): past
+        # BATCH_BYTES the rest are error frames, so one request cannot hold gigabytes here.
+        # A spoke asks for at most 16 MiB a request.
+        budget = [max(BATCH_BYTES, bs)]
+
+        async def one(version: str, index: int) -> BlockPart:
+            try:
+                obj = self._stored(name, version)
+                if index >= integrity.block_count(obj.size, bs):
+                    raise BadRequest(f"block {index} of {version} is past the end "
+                                     f"({obj.size} bytes)")
+                start, end = integrity.block_span(index, obj.size, bs)
+                if end - start > budget[0]:
+                    raise TooLarge(f"a batch read from a bucket hub is at most {BATCH_BYTES} "
+                                   "bytes: ask for the rest in another request")
+                budget[0] -= end - start
+                data = await self._block(version, obj, index)
+            except SpokeError as exc:
+                return BlockPart.error(exc)
+            return BlockPart(200, data, obj.size, self.st.digests[(version, index)])
+
+        return list(await asyncio.gather(*(one(v, i) for v, i in blocks)))
+
+    async def create_snapshot(self, name: str) -> dict[str, object]:
+        st = self._state(name)
+        async with self._scan_lock:
+            result = await asyncio.to_thread(st.scan)
+        return {"dataset": name, "new": result.created_new, "files_hashed": 0,
+                **result.snapshot.to_json()}
+
+    async def status(self) -> dict[str, object]:
+        snaps = self.st.snapshots()
+        return {"role": self.role, "datasets": [{
+            "name": self.st.name, "root": self.st.root, "snapshots": len(snaps),
+            "latest": snaps[-1].to_json() if snaps else None}]}
+
+
+# -- hashing ahead -------------------------------------------------------------------------
+async def hash_all(state: BucketState, snap_id: str, parallel: int = 16) -> tuple[int, int]:
+    """Read every block of a snapshot that has no digest yet and record it: (blocks, bytes).
+    A block whose bytes differ from a digest already recorded stops it (IntegrityError)."""
+    m = Manifest.decode(state.manifest_path(snap_id).read_bytes())
+    backend = BucketBackend(state)
+    todo = [(v, i) for v, size in zip(m.versions, m.sizes, strict=True)
+            for i in range(integrity.block_count(size, state.block_size))
+            if (v, i) not in state.digests]
+    sem = asyncio.Semaphore(parallel)
+    done = [0, 0]
+
+    async def one(v: str, i: int) -> None:
+        async with sem:
+            obj = state.stored(v)
+            assert obj is not None
+            data = await backend._block(v, obj, i)
+            done[0] += 1
+            done[1] += len(data)
+
+    await asyncio.gather(*(one(v, i) for v, i in todo))
+    if backend._flusher is not None:
+        await backend._flusher
+    return done[0], done[1]
+
+
+# -- the CLI (hub/cli.py hands s3:// sources here) ----------------------------------------
+def default_state_dir(url: BucketUrl, endpoint: str | None, name: str) -> Path:
+    base = Path(os.environ.get("XDG_STATE_HOME", Path.home() / ".local" / "state"))
+    tag = hashlib.blake2b(f"{endpoint or ''}\0{url}".encode(), digest_size=4).hexdigest()
+    return base / "spokefs" / "hub" / f"{name}-{tag}"
+
+
+def open_bucket_state(args: argparse.Namespace) -> BucketState:
+    """Checks the source, the credentials and the bucket before anything else is done."""
+    from spokefs.wire.paths import check_dataset_name
+
+    url = parse_bucket_url(args.dir)
+    origin = S3Origin(url, args.endpoint_url)
+    origin.check()
+    name = check_dataset_name(args.name or url.default_name)
+    sdir = (Path(args.state_dir) if args.state_dir
+            else default_state_dir(url, origin.endpoint, name))
+    return BucketState(url, origin, sdir, name, args.block_size).open()
+
+
+def serve_bucket(args: argparse.Namespace) -> int:
+    from spokefs.audit import Audit
+    from spokefs.wire.auth import check_bind
+    from spokefs.wire.authargs import tls_paths
+    from spokefs.wire.run import serve_forever
+    from spokefs.wire.server import build_app
+
+    if args.auth is not None:
+        from spokefs.wire.auth import TokenFile
+
+        TokenFile(args.auth)  # a bad token file stops the hub before it lists
+    state = open_bucket_state(args)
+    try:
+        s = state.scan().snapshot
+        print(f"dataset {state.name}: snapshot {s.id} ({s.files} files, {s.bytes} bytes) "
+              f"from {state.url}", flush=True)
+        check_bind(args.host, args.auth, args.insecure, "hub")
+        app = build_app(BucketBackend(state), auth=args.auth, audit=Audit(args.audit_log))
+        asyncio.run(serve_forever(app, args.host, args.port, "hub", tls=tls_paths(args)))
+    finally:
+        state.close()
+    return 0
+
+
+def snapshot_bucket(args: argparse.Namespace) -> int:
+    state = open_bucket_state(args)
+    try:
+        result = state.scan()
+        out: dict[str, object] = {"dataset": state.name, "new": result.created_new,
+                                  "files_hashed": 0, **result.snapshot.to_json()}
+        if args.hash:
+            blocks, nbytes = asyncio.run(hash_all(state, result.snapshot.id))
+            out.update(blocks_hashed=blocks, bytes_hashed=nbytes)
+    finally:
+        state.close()
+    print(json.dumps(out))
+    return 0

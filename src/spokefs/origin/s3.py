@@ -1,0 +1,292 @@
+"""An S3 (or S3-compatible) bucket as an origin: listing, and conditional ranged GETs.
+
+Two libraries, one credential chain (docs/s3.md):
+
+- Credentials are found the way AWS tools find them, by boto3's session: the environment
+  (``AWS_ACCESS_KEY_ID`` ...), the shared profile (``AWS_PROFILE``, ``~/.aws``, SSO and
+  assume-role profiles included), a web identity (a pod role), the container or instance role.
+- Listing uses boto3 (``ListObjectsV2``, or ``ListObjectVersions`` where the bucket keeps
+  versions): it gives keys exactly as stored (object_store's listing drops a trailing ``/``
+  and empty parts, which would turn a folder marker into a file), and version ids.
+- Reads use obstore (Rust object_store): chosen by measurement (``spokefs bench s3client``,
+  docs/architecture.md), it spends about half the CPU of botocore per ranged GET and runs
+  on the event loop without a thread per request. Its credentials come from the same boto3
+  session (``Boto3CredentialProvider``, refreshed as they expire).
+
+The endpoint of an S3-compatible store comes from ``--endpoint-url``, else
+``AWS_ENDPOINT_URL_S3``, else ``AWS_ENDPOINT_URL``; with one, requests are path-style (what
+MinIO, Ceph and moto expect). No secret is ever put in a message or a log line: errors name
+the bucket, the endpoint and the kind of failure, never a key or a signature.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import re
+from collections.abc import Iterator
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import TYPE_CHECKING, Any
+from urllib.parse import urlsplit
+
+from spokefs.errors import ConfigError, UpstreamUnavailable, VersionGone
+
+if TYPE_CHECKING:
+    import obstore
+
+log = logging.getLogger(__name__)
+
+SCHEME = "s3://"
+# S3's rules for a bucket name (3-63 of lower-case letters, digits, '.', '-'); '_' and upper
+# case are allowed for old buckets and some compatible stores.
+_BUCKET = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{1,254}")
+CONNECT_TIMEOUT = 5.0   # seconds: a dead endpoint fails fast, the reader's deadline decides
+REQUEST_TIMEOUT = 120.0  # a whole GET of one block, however slow the link
+RETRIES = 3             # the store's own retries of 5xx and dropped connections
+RETRY_TIMEOUT = 10.0    # no retry starts after this (the spoke retries past it, to its deadline)
+# Error codes that mean "these credentials are not accepted here".
+_AUTH_CODES = {"InvalidAccessKeyId", "SignatureDoesNotMatch", "AccessDenied", "403",
+               "ExpiredToken", "InvalidToken", "TokenRefreshRequired", "AllAccessDisabled",
+               "InvalidClientTokenId", "UnrecognizedClientException", "401"}
+
+
+def is_bucket_url(source: str) -> bool:
+    return source.startswith(SCHEME)
+
+
+@dataclass(frozen=True, slots=True)
+class BucketUrl:
+    """``s3://bucket/prefix``: ``prefix`` is "" (the whole bucket) or ends with "/", so
+    ``s3://b/train`` holds ``train/x`` but not ``training/x``."""
+
+    bucket: str
+    prefix: str
+
+    def __str__(self) -> str:
+        return f"{SCHEME}{self.bucket}/{self.prefix}"
+
+    @property
+    def default_name(self) -> str:
+        """The dataset's name unless ``--name``: the prefix's last part, else the bucket."""
+        parts = [p for p in self.prefix.split("/") if p]
+        return parts[-1] if parts else self.bucket
+
+
+def parse_bucket_url(source: str) -> BucketUrl:
+    if not is_bucket_url(source):
+        raise ConfigError(f"{source!r} is not an s3:// URL (s3://BUCKET/PREFIX)")
+    bucket, _, prefix = source[len(SCHEME):].partition("/")
+    if not _BUCKET.fullmatch(bucket):
+        raise ConfigError(f"invalid bucket name {bucket!r} in {source!r}")
+    prefix = prefix.strip("/")
+    return BucketUrl(bucket, f"{prefix}/" if prefix else "")
+
+
+def resolve_endpoint(endpoint: str | None) -> str | None:
+    """``--endpoint-url``, else the AWS tools' variables; None means AWS itself."""
+    url = endpoint or os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get(
+        "AWS_ENDPOINT_URL") or None
+    if url is None:
+        return None
+    parts = urlsplit(url)
+    if parts.scheme not in ("http", "https") or not parts.hostname:
+        raise ConfigError(f"endpoint {_safe_url(url)!r} is not an http(s) URL")
+    if parts.username or parts.password:
+        raise ConfigError("the endpoint URL carries credentials: give them in the environment "
+                          "or a profile, never in a URL (it would be logged)")
+    return url.rstrip("/")
+
+
+def _safe_url(url: str) -> str:
+    """A URL fit for a message: any user:password@ part removed."""
+    parts = urlsplit(url)
+    if parts.username or parts.password:
+        return parts._replace(netloc=parts.hostname or "").geturl()
+    return url
+
+
+@dataclass(frozen=True, slots=True)
+class ObjectInfo:
+    """One object as listed: its identity is (key, size, etag[, version_id])."""
+
+    key: str
+    size: int
+    etag: str
+    version_id: str | None
+    mtime_ns: int
+
+
+class S3Origin:
+    """A bucket (under a prefix): listing and conditional ranged GETs. Construction checks
+    nothing on the network; ``check`` does (credentials, bucket, region)."""
+
+    def __init__(self, url: BucketUrl, endpoint: str | None = None) -> None:
+        try:
+            import boto3
+            import botocore.config
+            import obstore  # noqa: F401
+        except ImportError as exc:
+            raise ConfigError(f"serving a bucket needs {exc.name}: pip install "
+                              "'spokefs[s3]'") from None
+        self.url = url
+        self.endpoint = resolve_endpoint(endpoint)
+        self.where = (f"bucket {url.bucket!r}" if self.endpoint is None
+                      else f"bucket {url.bucket!r} at {self.endpoint}")
+        from botocore.exceptions import BotoCoreError, ProfileNotFound
+
+        try:
+            self.session = boto3.Session()
+            found = self.session.get_credentials()
+        except ProfileNotFound as exc:
+            raise ConfigError(f"AWS profile {exc.kwargs.get('profile')!r} (AWS_PROFILE) is "
+                              "not in ~/.aws/config or ~/.aws/credentials") from None
+        except BotoCoreError as exc:  # a broken profile, a failed role or SSO exchange
+            log.warning("finding AWS credentials: %s", type(exc).__name__)
+            raise ConfigError(f"cannot get AWS credentials for {self.where}: "
+                              f"{type(exc).__name__}") from None
+        if found is None:
+            raise ConfigError(
+                f"no AWS credentials found for {self.where}: set AWS_ACCESS_KEY_ID and "
+                "AWS_SECRET_ACCESS_KEY, or AWS_PROFILE (a profile in ~/.aws), or run with "
+                "an instance or pod role")
+        self.region = self.session.region_name or "us-east-1"
+        cfg: dict[str, Any] = {"connect_timeout": CONNECT_TIMEOUT,
+                               "read_timeout": REQUEST_TIMEOUT,
+                               "retries": {"max_attempts": RETRIES, "mode": "standard"}}
+        if self.endpoint is not None:
+            cfg["s3"] = {"addressing_style": "path"}
+        self._config = botocore.config.Config(**cfg)
+        self._lister = self.session.client("s3", endpoint_url=self.endpoint,
+                                           region_name=self.region, config=self._config)
+        self._store: obstore.store.S3Store | None = None
+
+    # -- checks and listing (blocking: call from a thread) -------------------------------
+    def check(self) -> None:
+        """Can these credentials list this bucket? A clear ConfigError if not (never a
+        secret in it); learns the bucket's region for the reads."""
+        from botocore.exceptions import BotoCoreError, ClientError
+
+        try:
+            resp = self._lister.head_bucket(Bucket=self.url.bucket)
+        except ClientError as exc:
+            code = str(exc.response.get("Error", {}).get("Code", ""))
+            status = exc.response.get("ResponseMetadata", {}).get("HTTPStatusCode")
+            if code in ("404", "NoSuchBucket"):
+                raise ConfigError(f"{self.where} does not exist") from None
+            if code in _AUTH_CODES or status in (401, 403):
+                raise ConfigError(
+                    f"{self.where} refused the credentials ({code or status}): check "
+                    "AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY, AWS_PROFILE or the role, and "
+                    "that they may list the bucket (s3:ListBucket)") from None
+            raise ConfigError(f"{self.where} answered {code or status} to a check") from None
+        except BotoCoreError as exc:
+            log.warning("checking %s: %s", self.where, exc)
+            raise ConfigError(f"cannot reach {self.where}: {type(exc).__name__}") from None
+        headers = resp.get("ResponseMetadata", {}).get("HTTPHeaders", {})
+        region = headers.get("x-amz-bucket-region")
+        if region and self.endpoint is None:
+            self.region = region  # obstore does not follow a region redirect itself
+
+    def versioned(self) -> bool:
+        """Whether the bucket keeps versions (then listings pin VersionIds too). A caller
+        not allowed to ask (s3:GetBucketVersioning) pins by ETag alone."""
+        from botocore.exceptions import ClientError
+
+        try:
+            status = self._lister.get_bucket_versioning(Bucket=self.url.bucket).get("Status")
+        except ClientError as exc:
+            log.info("%s: versioning status not readable (%s): objects are pinned by ETag "
+                     "alone", self.where, exc.response.get("Error", {}).get("Code"))
+            return False
+        return status in ("Enabled", "Suspended")
+
+    def list(self, versions: bool) -> Iterator[ObjectInfo]:
+        """Every current object under the prefix: listing requests only (1,000 keys a page),
+        no request per object. ``versions``: ListObjectVersions, for VersionIds."""
+        from botocore.exceptions import BotoCoreError, ClientError
+
+        op = "list_object_versions" if versions else "list_objects_v2"
+        pages = self._lister.get_paginator(op).paginate(Bucket=self.url.bucket,
+                                                        Prefix=self.url.prefix)
+        try:
+            for page in pages:
+                for o in page.get("Versions" if versions else "Contents", []):
+                    if versions and not o.get("IsLatest"):
+                        continue
+                    vid = o.get("VersionId") if versions else None
+                    yield ObjectInfo(o["Key"], int(o["Size"]), str(o.get("ETag", "")),
+                                     None if vid in (None, "null") else vid,
+                                     int(o["LastModified"].timestamp() * 1e9))
+        except ClientError as exc:
+            code = exc.response.get("Error", {}).get("Code", "")
+            raise ConfigError(f"listing {self.where} failed: {code}") from None
+        except BotoCoreError as exc:
+            log.warning("listing %s: %s", self.where, exc)
+            raise ConfigError(f"listing {self.where} failed: {type(exc).__name__}") from None
+
+    # -- reads (on the event loop) -------------------------------------------------------
+    def _reader(self) -> obstore.store.S3Store:
+        if self._store is None:
+            from obstore.auth.boto3 import Boto3CredentialProvider
+            from obstore.store import S3Store
+
+            kw: dict[str, Any] = {}
+            if self.endpoint is not None:
+                kw.update(endpoint=self.endpoint, virtual_hosted_style_request=False,
+                          allow_http=self.endpoint.startswith("http://"))
+            self._store = S3Store(
+                self.url.bucket, region=self.region,
+                credential_provider=Boto3CredentialProvider(self.session),  # type: ignore[arg-type]
+                client_options={"connect_timeout": timedelta(seconds=CONNECT_TIMEOUT),
+                                "timeout": timedelta(seconds=REQUEST_TIMEOUT)},
+                retry_config={"max_retries": RETRIES,
+                              "retry_timeout": timedelta(seconds=RETRY_TIMEOUT)},
+                **kw)
+        return self._store
+
+    async def get(self, obj: ObjectInfo, start: int, end: int) -> memoryview:
+        """Bytes [start, end) of the object as listed, or VersionGone: the GET is conditional
+        (If-Match its ETag, and its VersionId where known), so an object overwritten or
+        deleted since the listing is never read."""
+        import obstore
+        from obstore.exceptions import (
+            BaseError,
+            NotFoundError,
+            PermissionDeniedError,
+            PreconditionError,
+            UnauthenticatedError,
+        )
+
+        opts: dict[str, Any] = {"range": (start, end), "if_match": obj.etag}
+        if obj.version_id is not None:
+            opts["version"] = obj.version_id
+        try:
+            result = await obstore.get_async(self._reader(), obj.key, options=opts)  # type: ignore[arg-type]
+            data = memoryview(await result.bytes_async())
+        except (PreconditionError, NotFoundError):
+            raise VersionGone(f"{obj.key!r} changed or was deleted in the bucket since its "
+                              "snapshot: use a newer snapshot") from None
+        except (PermissionDeniedError, UnauthenticatedError) as exc:
+            log.warning("reading %r from %s: %s", obj.key, self.where, exc)
+            raise UpstreamUnavailable(f"{self.where} refused a read", self.where,
+                                      "access denied") from None
+        except BaseError as exc:
+            log.warning("reading %r from %s: %s", obj.key, self.where, exc)
+            raise UpstreamUnavailable(f"{self.where} did not answer a read", self.where,
+                                      _kind(str(exc))) from None
+        if len(data) != end - start:  # a store that ignored the range: never misplace bytes
+            raise UpstreamUnavailable(f"{self.where} answered {len(data)} bytes for a range of "
+                                      f"{end - start}", self.where, "bad answer")
+        return data
+
+
+def _kind(text: str) -> str:
+    low = text.lower()
+    for needle, kind in (("refused", "connection refused"), ("timed out", "timed out"),
+                         ("timeout", "timed out"), ("reset", "connection reset"),
+                         ("dns", "name not resolved"), ("connect", "cannot connect"),
+                         ("status code: 5", "upstream error")):
+        if needle in low:
+            return kind
+    return "unreachable"
