@@ -49,7 +49,7 @@ STATUS = {
     "role": "spoke", "upstream": "http://hub:8470", "upstream_error": None, "uptime_s": 3725,
     "cache": {"used_bytes": 3 << 20, "data_bytes": 3 << 20, "capacity_bytes": 4 << 20,
               "blocks": 12, "policy": "belady", "writable": True, "warm_pinned_bytes": 0},
-    "datasets": {"resident_bytes": {"imagenet": 3 << 20}},
+    "datasets": {"resident_bytes": {"imagenet": 3 << 20}, "hits_misses": {"imagenet": [90, 10]}},
     "hits": 90.0, "misses": 10.0, "hit_ratio": 0.9, "inflight": 2, "queued": 7,
     "inflight_bytes": 1 << 20,
     "link": {"rtt_s": 0.0602, "bandwidth_bytes_per_s": 100 << 20, "window_bytes": 12 << 20,
@@ -74,7 +74,7 @@ def test_frame_totals_from_status_and_metrics() -> None:
     assert doc["prefetch"]["accuracy"] == pytest.approx(0.75)  # 3000 of 4000 read
     assert doc["errors"]["integrity_cache"] == 2 and doc["errors"]["http_5xx"] == 3
     assert doc["datasets"] == [{"dataset": "imagenet", "resident_bytes": 3 << 20,
-                                "share_of_cache": 0.75,
+                                "share_of_cache": 0.75, "hit_ratio": 0.9,
                                 "warm": {"blocks": 40, "done": 10, "fraction": 0.25}}]
     (job,) = doc["working_sets"]
     assert job["resident_share"] == 0.5 and job["order_read"] == 30
@@ -153,6 +153,9 @@ def test_top_once_and_json_show_what_the_spoke_reports(spoke_server: ServerProce
     assert doc["cache"]["used_bytes"] == st["cache"]["data_bytes"]
     (ds,) = doc["datasets"]
     assert ds["resident_bytes"] == st["datasets"]["resident_bytes"]["ds"]
+    h, m = st["datasets"]["hits_misses"]["ds"]  # one dataset: its counts are the totals
+    assert (h, m) == (st["hits"], st["misses"]) and h >= 3
+    assert ds["hit_ratio"] == pytest.approx(h / (h + m))
     assert ds["warm"]["fraction"] == 1.0
     assert doc["link"]["upstream"] == st["upstream"] and doc["link"]["state"] == "up"
     assert doc["link"]["rtt_s"] == pytest.approx(st["link"]["rtt_s"])

@@ -124,16 +124,19 @@ def frame(s: Sample, prev: Sample | None = None) -> dict[str, Any]:
     asked = by_label(m, "spokefs_warm_blocks_total", "dataset")
     done = by_label(m, "spokefs_warm_done_blocks_total", "dataset")
     resident = (st.get("datasets") or {}).get("resident_bytes") or {}
+    hm = (st.get("datasets") or {}).get("hits_misses") or {}
     capacity = float(cache.get("capacity_bytes") or 0)
     datasets = []
-    for name in sorted(set(resident) | set(asked)):
+    for name in sorted(set(resident) | set(asked) | set(hm)):
         warm = None
         if name in asked:
             warm = {"blocks": int(asked[name]), "done": int(done.get(name, 0)),
                     "fraction": min(1.0, done.get(name, 0) / asked[name]) if asked[name]
                     else 1.0}
+        h, mi = hm.get(name, (0, 0))
         datasets.append({"dataset": name, "resident_bytes": int(resident.get(name, 0)),
                          "share_of_cache": _ratio(resident.get(name, 0), capacity),
+                         "hit_ratio": _ratio(h, h + mi) if h + mi else None,
                          "warm": warm})
 
     working_sets = []
@@ -278,8 +281,8 @@ def render(doc: dict[str, Any], note: str = "") -> str:
                                           "blocks)" + (" done" if w["done"] >= w["blocks"]
                                                        else ""))
             rows.append([d["dataset"], _size(d["resident_bytes"]), _pct(d["share_of_cache"]),
-                         warm])
-        lines += ["", table(rows, ["dataset", "resident", "of cache", "warm-up"])]
+                         _pct(d["hit_ratio"]), warm])
+        lines += ["", table(rows, ["dataset", "resident", "of cache", "hit ratio", "warm-up"])]
     if doc["working_sets"]:
         rows = []
         for j in doc["working_sets"]:

@@ -183,6 +183,7 @@ class SpokeBackend:
         self._snapshots_used: dict[tuple[str, str], float] = {}
         self._retired_for: dict[str, frozenset[str]] = {}  # dataset -> in-use set at last pass
         self._retire_passes = 0
+        self._hits_by_dataset: dict[str, list[int]] = {}  # dataset -> [hits, misses]
         self._unconfirmed: set[str] = set()  # datasets whose latest upstream could not confirm
         self.served: Any = None  # the API's served-bytes counter (wire.server sets it)
         self.audit = Audit(config.audit_log)  # a no-op without --audit-log
@@ -405,7 +406,7 @@ class SpokeBackend:
         """The bytes of [start, end), block by block, each checked against its digests."""
         bs = (await self.dataset(name)).block_size
         indexes = blocks_in_range(start, end, bs)
-        store, fetcher, metrics = self.store, self.fetcher, self.metrics
+        store, fetcher = self.store, self.fetcher
         # Missing blocks are asked for a window ahead of the one being sent (all at once for
         # a range within the window); a sent block's future is dropped at once, so neither
         # memory nor the link follows a reader that stalls or leaves. The planner hears the
@@ -432,18 +433,18 @@ class SpokeBackend:
                 if view is not None:
                     if key in self._just_fetched:
                         self._just_fetched.discard(key)
-                        metrics.misses.inc()
+                        self._count(name, 0, 1)
                     else:
-                        metrics.hits.inc()
+                        self._count(name, 1, 0)
                     yield view
                     continue
                 block = fetcher.recent(key)
                 if block is not None:
-                    metrics.hits.inc()
+                    self._count(name, 1, 0)
                     yield await self._fetched(key, block, lo, hi)
                     continue
                 fut = fetcher.want(name, key, DEMAND)  # evicted or damaged meanwhile
-            metrics.misses.inc()
+            self._count(name, 0, 1)
             self._just_fetched.discard(key)
             # An error after the first block reaches the reader as a cut connection
             # (wire.server.send_segments), never as an error written into the body.
@@ -545,16 +546,16 @@ class SpokeBackend:
                 if loc is not None:
                     view = await self._resident(key, 0, loc.size)
                     if view is not None:
-                        self.metrics.hits.inc()
+                        self._count(name, 1, 0)
                         size = self.store.object_size(key[0]) or 0
                         return BlockPart(200, view, size, loc.digest)
                 block = self.fetcher.recent(key)
                 if block is not None:
-                    self.metrics.hits.inc()
+                    self._count(name, 1, 0)
                     return BlockPart(200, await self._fetched(key, block, 0, block.size),
                                      block.object_size, block.digest)
                 fut = self.fetcher.want(name, key, DEMAND)
-            self.metrics.misses.inc()
+            self._count(name, 0, 1)
             block = await self._wait_fetch(fut, what)
             return BlockPart(200, await self._fetched(key, block, 0, block.size),
                              block.object_size, block.digest)
@@ -622,8 +623,7 @@ class SpokeBackend:
             waits = {k: self.fetcher.want(name, k, DEMAND) for k in keys
                      if k not in self.store and self.fetcher.recent(k) is None}
         if ctx is not None:
-            self.metrics.misses.inc(len(waits))
-            self.metrics.hits.inc(len(keys) - len(waits))
+            self._count(name, len(keys) - len(waits), len(waits))
         out: list[dict[str, object] | None] = []
         for key in keys:
             loc = self.store.get(key)
@@ -662,6 +662,19 @@ class SpokeBackend:
             if loc is not None:
                 self.store.read(key, 0, loc.size)
 
+    def _count(self, dataset: str, hits: int, misses: int) -> None:
+        """Blocks readers found resident (hits) or waited for (misses), in all and per
+        dataset (per dataset in /v1/status only: a label would cost every read more)."""
+        if hits:
+            self.metrics.hits.inc(hits)
+        if misses:
+            self.metrics.misses.inc(misses)
+        row = self._hits_by_dataset.get(dataset)
+        if row is None:
+            row = self._hits_by_dataset[dataset] = [0, 0]
+        row[0] += hits
+        row[1] += misses
+
     def reads_elsewhere(self, name: str, reads: list[tuple[str, int, int, ReadContext]],
                         by_mount: bool = False, extra_bytes: int = 0) -> None:
         """Reads served by another process from the cache (version, start, end, context):
@@ -673,9 +686,11 @@ class SpokeBackend:
         for version, start, end, ctx in reads:
             if end > start:
                 nbytes += end - start
+                n = 0
                 for i in blocks_in_range(start, end, bs):
                     self.store.touch((version, i))
-                    self.metrics.hits.inc()
+                    n += 1
+                self._count(name, n, 0)
             if self.prefetch is not None:
                 self._tell_planner(name, version, start, end, ctx)
         if by_mount:
@@ -985,7 +1000,9 @@ class SpokeBackend:
             "uptime_s": round(time.time() - self.started, 1),
             "cache": {**self.store.stats(), "warm_pinned_bytes": self.warm_pinned_bytes},
             "datasets": {**self.dataset_rules.describe(),
-                         "resident_bytes": dict(sorted(self.store.dataset_bytes.items()))},
+                         "resident_bytes": dict(sorted(self.store.dataset_bytes.items())),
+                         "hits_misses": {ds: list(hm) for ds, hm
+                                         in sorted(self._hits_by_dataset.items())}},
             "hits": hits, "misses": misses,
             "hit_ratio": hits / (hits + misses) if hits + misses else None,
             "inflight": q.active, "queued": q.queued,
