@@ -21,6 +21,7 @@ from spokefs.planner import (
     FetchDone,
     JobEnded,
     Manifest,
+    ManifestAdded,
     OrderAnnounced,
     Pin,
     Planner,
@@ -29,6 +30,7 @@ from spokefs.planner import (
     Unpin,
     WorkingSet,
     WorkingSetLearned,
+    WorkingSetRestored,
 )
 from spokefs.planner.order import MAX_ORDER_ENTRIES, OrderTooLarge
 from spokefs.policy import BlockKey
@@ -44,7 +46,7 @@ class Harness:
         options.setdefault("capacity", 10 * GiB)
         self.p = Planner(block_size=manifest.block_size, **options)  # type: ignore[arg-type]
         self.m = manifest
-        self.p.add_manifest("ds", manifest)
+        self.p.handle(ManifestAdded("ds", manifest))
         self.actions: list[Action] = []
         self.inflight: dict[BlockKey, Fetch] = {}
         self.fetched: Counter[BlockKey] = Counter()
@@ -251,7 +253,7 @@ def test_next_epoch_is_recognised_and_learned_set_restores() -> None:
     assert ws.ranges == [(m.paths[train[0]], m.paths[train[-1]])]
     # A new planner (the job restarts) fills the set before the first read.
     h2 = Harness(m, max_inflight_bytes=1 * GiB)
-    h2.apply(h2.p.restore_working_set(WorkingSet.from_json(ws.to_json())))
+    h2.apply(h2.p.handle(WorkingSetRestored(WorkingSet.from_json(ws.to_json()))))
     assert {f.key for f in h2.fetches("working-set")} == {m.key(i, 0) for i in train}
 
 
@@ -360,7 +362,7 @@ def test_million_entry_announcement_is_fast() -> None:
     versions = [f"{i:032x}" for i in range(n)]
     m = Manifest(paths, versions, array("q", [110 * KiB]) * n, BS)
     p = Planner(capacity=64 * GiB, block_size=BS, lookahead_bytes=256 * MiB)
-    p.add_manifest("ds", m)
+    p.handle(ManifestAdded("ds", m))
     order = array("l", range(n))
     random.Random(0).shuffle(order)  # type: ignore[arg-type]
     t = time.process_time()
@@ -420,7 +422,7 @@ def test_bad_inputs() -> None:
         p.handle(OrderAnnounced("nope", "j", 0, [0]))
     with pytest.raises(TypeError):
         p.handle("read")  # type: ignore[arg-type]
-    p.add_manifest("ds", tree({"d": 3}))
+    p.handle(ManifestAdded("ds", tree({"d": 3})))
     with pytest.raises(ConfigError):
         p.handle(OrderAnnounced("ds", "j", 0, ["d/nope.jpg"]))
 

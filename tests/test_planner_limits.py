@@ -47,6 +47,6 @@ def test_learners_are_capped_oldest_dropped() -> None:
         i = j % len(m.paths)
         h.send(Read("ds", m.paths[i], m.versions[i], m.sizes[i], 0, m.sizes[i],
                     job=f"client{j}", now=float(j)))
-    assert len(h.p._learners) == 4
-    assert {job for _, job in h.p._learners} == {f"client{j}" for j in range(6, 10)}
+    assert len(h.p.learning.learners) == 4
+    assert {job for _, job in h.p.learning.learners} == {f"client{j}" for j in range(6, 10)}
     assert h.p.stats["learners_dropped"] == 6

@@ -28,26 +28,23 @@ import argparse
 import heapq
 import random
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from spokefs.planner import (
-    Cancel,
     CapacityChanged,
+    Event,
     Fetch,
-    FetchDone,
-    FetchFailed,
     Manifest,
+    ManifestAdded,
     OrderAnnounced,
-    Pin,
     Planner,
     Read,
-    SetFuture,
-    Unpin,
 )
+from spokefs.planner.interpreter import Interpreter
 from spokefs.policy import BeladyPolicy, BlockKey, EvictionPolicy, make_policy
 from spokefs.units import parse_duration, parse_rate, parse_size
 
@@ -243,6 +240,28 @@ class Link:
         return self.free + self.rtt
 
 
+class PolicyCache:
+    """The simulated store as the interpreter sees it: the eviction policy's residency and
+    pins, and its future when it is ``belady``."""
+
+    def __init__(self, policy: EvictionPolicy) -> None:
+        self.policy = policy
+
+    def __contains__(self, key: object) -> bool:
+        return key in self.policy
+
+    def pin(self, key: BlockKey) -> None:
+        self.policy.pin(key)
+
+    def unpin(self, key: BlockKey) -> None:
+        self.policy.unpin(key)
+
+    def set_future(self, keys: Sequence[BlockKey], stream: str, append: bool = False) -> None:
+        p = self.policy
+        if isinstance(p, BeladyPolicy):
+            (p.extend_future if append else p.set_future)(list(keys), stream)
+
+
 class Sim:
     """One configuration on one trace at one capacity."""
 
@@ -262,8 +281,14 @@ class Sim:
             max_inflight_bytes=max(2 * bdp, BLOCK), readahead_max_bytes=max(bdp, BLOCK),
             lookahead_bytes=lookahead, learn=cfg.learn, disorder_window=512,
         )  # fmt: skip
+        # The spoke's own action interpreter (spoke/prefetch.py runs it too); cancelled
+        # fetches complete anyway, the planner hears FetchDone.
+        self.t = 0.0  # the clock of what is being handled
+        self._soon: list[Callable[[], None]] = []
+        self.interp = Interpreter(self.planner, PolicyCache(self.policy), self._fetch,
+                                  lambda key: False, self._soon.append, lambda: self.t)
         for j, m in enumerate(trace.manifests):
-            self.planner.add_manifest(f"d{j}", m)
+            self.handle(ManifestAdded(f"d{j}", m))
         self.used = 0
         self.now = 0.0
         self.done: list[tuple[float, int, BlockKey, int]] = []  # completion heap
@@ -273,32 +298,31 @@ class Sim:
         self.fetched = [0, 0]
         self.wasted = 0
 
-    def apply(self, actions: list[Any], now: float) -> None:
-        p = self.policy
-        for a in actions:
-            if isinstance(a, Fetch):
-                if a.key in self.due:
-                    continue  # a priority bump: the link model has no queue to reorder
-                self.due[a.key] = at = self.link.send(now, a.size)
-                self.seq += 1
-                heapq.heappush(self.done, (at, self.seq, a.key, a.size))
-                self.fetched[self.steady] += 1
-            elif isinstance(a, Pin):
-                p.pin(a.key)
-            elif isinstance(a, Unpin):
-                p.unpin(a.key)
-            elif isinstance(a, SetFuture):
-                if isinstance(p, BeladyPolicy):
-                    (p.extend_future if a.append else p.set_future)(list(a.keys), a.stream)
-            elif isinstance(a, Cancel):
-                pass  # it completes anyway; the planner hears FetchDone
+    def handle(self, event: Event, now: float = 0.0) -> None:
+        self.t = now
+        self.interp.handle(event)
+        self._drain()
+
+    def _drain(self) -> None:
+        while self._soon:  # answers the interpreter deferred (none, as the spoke runs it)
+            self._soon.pop(0)()
+
+    def _fetch(self, dataset: str, a: Fetch) -> None:
+        if a.key in self.due:
+            return  # a priority bump: the link model has no queue to reorder
+        self.due[a.key] = at = self.link.send(self.t, a.size)
+        self.seq += 1
+        heapq.heappush(self.done, (at, self.seq, a.key, a.size))
+        self.fetched[self.steady] += 1
 
     def deliver(self, until: float) -> None:
         while self.done and self.done[0][0] <= until:
             at, _, key, size = heapq.heappop(self.done)
             del self.due[key]
             ok = self.admit(key, size)
-            self.apply(self.planner.handle(FetchDone(key, at) if ok else FetchFailed(key, at)), at)
+            self.t = at
+            self.interp.finished(key, ok)
+            self._drain()
 
     def admit(self, key: BlockKey, size: int) -> bool:
         p = self.policy
@@ -317,7 +341,7 @@ class Sim:
     def run(self) -> dict[str, float]:
         t = self.trace
         p = self.policy
-        self.apply(self.planner.handle(CapacityChanged(self.capacity)), 0.0)
+        self.handle(CapacityChanged(self.capacity))
         reads = [0, 0]
         late = [0, 0]
         block_reads = [0, 0]
@@ -334,7 +358,7 @@ class Sim:
             if self.cfg.order:
                 for j, e, files, ranges in t.orders.get(n, []):
                     ev = OrderAnnounced(f"d{j}", f"job{j}", e, files, ranges, now=self.now)
-                    self.apply(self.planner.handle(ev), self.now)
+                    self.handle(ev, self.now)
             m = t.manifests[job]
             keys = [m.key(fi, b) for b in m.blocks_of(fi, off, length)]
             for b in m.blocks_of(fi, off, length):
@@ -345,7 +369,7 @@ class Sim:
             name = f"job{job}" if self.cfg.order else ""
             ev = Read(f"d{job}", m.paths[fi], m.versions[fi], m.sizes[fi], off, length,
                       reader_id=worker, job=name, now=self.now)  # fmt: skip
-            self.apply(self.planner.handle(ev), self.now)
+            self.handle(ev, self.now)
             reads[s] += 1
             if missing:
                 late[s] += 1

@@ -13,8 +13,8 @@ What it does, per (dataset, job):
    which a fresh shuffle cannot beat anyway (every reuse crosses an epoch boundary, so a
    fixed resident part is hit every epoch, where LRU keeps the wrong blocks). When the part
    of an epoch left unread fits beside the pinned part, it is all fetched (endgame). At each
-   epoch end a ``WorkingSetLearned`` action carries the set to persist;
-   ``restore_working_set`` takes it back and starts filling before the first read.
+   epoch end a ``WorkingSetLearned`` action carries the set to persist; a
+   ``WorkingSetRestored`` event takes it back and starts filling before the first read.
 3. Announced order: blocks up to ``lookahead_bytes`` ahead of the reader's position are
    pinned and fetched, nearest first; each read advances the position (reads may run up to
    ``disorder_window`` positions ahead of the oldest unread one); a ``SetFuture`` action
@@ -22,30 +22,39 @@ What it does, per (dataset, job):
 4. An in-flight budget: at most ``max_inflight_bytes`` of prefetches are outstanding; demand
    fetches (priority 0) are never held back and jump ahead of queued prefetches.
 
+The parts, one module each: ``Readahead`` (readahead.py), ``OrderPlanner`` (announced.py,
+over the ``OrderCursor`` of order.py), ``WorkingSetPlanner`` (learned.py, over the
+``ScanState`` of workingset.py), ``Budget`` (budget.py: fetches in flight, queued
+prefetches), ``PinLedger`` (pins.py: every pin, by holder); ``Planner`` (planner.py) routes
+events to them. ``Interpreter`` (interpreter.py) carries actions out through injected
+callbacks, for the spoke and ``bench policy`` alike.
+
 How the spoke service drives it (``spokefs.spoke.service`` and ``spokefs.spoke.prefetch``)::
 
-    planner = Planner(capacity=store.capacity, resident=store,   # the BlockStore: ``key in``
+    planner = Planner(capacity=store.capacity, resident=store,   # ``Resident``: ``key in``
                       max_inflight_bytes=prefetch_inflight, readahead_max_bytes=readahead_max)
-    planner.add_manifest(dataset, Manifest(paths, versions, sizes, block_size))
-    act(planner.restore_working_set(saved))        # for each persisted set, at start
-    act(planner.handle(Read(...)))                 # each block of a read, before it is sent;
+    interp = Interpreter(planner, store, fetch, cancel, loop.call_soon, loop.time, persist)
+    interp.handle(ManifestAdded(dataset, Manifest.of(snapshot)))  # a snapshot resolved
+    interp.handle(WorkingSetRestored(saved))       # for each persisted set, at start
+    interp.handle(Read(...))                       # each block of a read, before it is sent;
                                                    # reads other processes served, when reported
-    act(planner.handle(FetchDone(key)))            # a fetched block is indexed and resident
-    act(planner.handle(FetchFailed(key)))          # a fetch gave up or was cancelled
-    act(planner.handle(OrderAnnounced(...)))       # a client posted its order for an epoch
-    act(planner.handle(EpochBoundary(...)))        # a client said a new epoch starts
-    act(planner.handle(JobEnded(...)))             # a client said it is done
-    act(planner.handle(CapacityChanged(bytes)))    # the cache was resized (the spoke's never is)
+    interp.finished(key, resident)                 # a fetch ended: FetchDone or FetchFailed
+    interp.handle(OrderAnnounced(...))             # a client posted its order for an epoch
+    interp.handle(EpochBoundary(...))              # a client said a new epoch starts
+    interp.handle(JobEnded(...))                   # a client said it is done
+    interp.handle(CapacityChanged(bytes))          # the cache was resized (the spoke's never is)
 
-where ``act`` carries out, in order: ``Pin``/``Unpin`` on the store (its eviction policy),
-``Fetch`` through the spoke's fetch queue (batch reads, priority 0 first; a Fetch of a key in
-flight raises its priority; a key already resident is answered ``FetchDone``), ``Cancel``
-(drop it if not started, then report ``FetchFailed``),
+where the interpreter carries out, in order: ``Pin``/``Unpin`` on the store (its eviction
+policy), ``Fetch`` through the spoke's fetch queue for the dataset it names (batch reads,
+priority 0 first; a Fetch of a key in flight raises its priority; a key already resident is
+answered ``FetchDone``), ``Cancel`` (drop it if not started, then report ``FetchFailed``),
 ``SetFuture`` (``policy.extend_future(keys, stream)``, or ``set_future`` when not
 ``append``, where the policy has them) and ``WorkingSetLearned`` (persist
 ``working_set.to_json()`` under (dataset, job)). The service waits for the demand blocks
 of a read; every Fetch must end in FetchDone or FetchFailed. A block fetched but not
 admitted (everything resident is pinned) is served from memory and reported as FetchFailed.
+An event the planner refuses (a bad order) raises; what it had done before the refusal
+(released idle jobs) comes with the next call's actions.
 """
 
 from spokefs.planner.events import (
@@ -60,15 +69,18 @@ from spokefs.planner.events import (
     FetchDone,
     FetchFailed,
     JobEnded,
+    ManifestAdded,
     OrderAnnounced,
     Pin,
     Read,
     SetFuture,
     Unpin,
     WorkingSetLearned,
+    WorkingSetRestored,
 )
+from spokefs.planner.learned import WORKING_SET_PRIORITY
 from spokefs.planner.manifest import DEFAULT_BLOCK_SIZE, Manifest
-from spokefs.planner.planner import WORKING_SET_PRIORITY, Planner, as_indexes
+from spokefs.planner.planner import Planner, Resident, as_indexes
 from spokefs.planner.workingset import WorkingSet
 
 __all__ = [
@@ -86,13 +98,16 @@ __all__ = [
     "FetchFailed",
     "JobEnded",
     "Manifest",
+    "ManifestAdded",
     "OrderAnnounced",
     "Pin",
     "Planner",
     "Read",
+    "Resident",
     "SetFuture",
     "Unpin",
     "WorkingSet",
     "WorkingSetLearned",
+    "WorkingSetRestored",
     "as_indexes",
 ]

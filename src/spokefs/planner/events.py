@@ -7,11 +7,34 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from spokefs.policy import BlockKey
 
+if TYPE_CHECKING:
+    from spokefs.planner.manifest import Manifest
+    from spokefs.planner.workingset import WorkingSet
+
 # -- events ----------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class ManifestAdded:
+    """``dataset`` now resolves to this snapshot (learning and announced orders need it).
+    A learner or order built on the dataset's earlier snapshot stops matching reads."""
+
+    dataset: str
+    manifest: Manifest = field(repr=False)
+    now: float = 0.0
+
+
+@dataclass(frozen=True, slots=True)
+class WorkingSetRestored:
+    """A working set persisted from a ``WorkingSetLearned``: fill it before the first read.
+    Its dataset's manifest must have been added. A dict is ``WorkingSet.to_json()``'s."""
+
+    working_set: WorkingSet | dict[str, Any]
+    now: float = 0.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -107,7 +130,7 @@ class CapacityChanged:
 
 Event = (
     Read | FetchDone | FetchFailed | Evicted | OrderAnnounced | EpochBoundary | JobEnded
-    | CapacityChanged
+    | CapacityChanged | ManifestAdded | WorkingSetRestored
 )  # fmt: skip
 
 # -- actions ---------------------------------------------------------------------------------
@@ -118,12 +141,15 @@ DEMAND = 0  # the priority of a block a reader is waiting for
 @dataclass(frozen=True, slots=True)
 class Fetch:
     """Fetch block ``key`` (``size`` bytes). Lower ``priority`` first; 0 is a reader waiting.
-    A Fetch for a key already in flight raises its priority (a prefetch the reader caught)."""
+    A Fetch for a key already in flight raises its priority (a prefetch the reader caught).
+    ``dataset``: whose block it is (the upstream to ask, the dataset's cache rules); a fetch
+    may be issued while another dataset's event is handled."""
 
     key: BlockKey
     size: int
     priority: int
     reason: str  # "demand", "readahead", "order", "working-set"
+    dataset: str = ""
 
 
 @dataclass(frozen=True, slots=True)
@@ -159,7 +185,7 @@ class SetFuture:
 @dataclass(frozen=True, slots=True)
 class WorkingSetLearned:
     """A job finished an epoch: persist ``working_set`` (``WorkingSet.to_json()``) under
-    (dataset, job) and pass it to ``restore_working_set`` when the job comes back."""
+    (dataset, job) and send it back as ``WorkingSetRestored`` when the job comes back."""
 
     dataset: str
     job: str

@@ -3,6 +3,18 @@
 Compact on purpose (a dataset may hold millions of files): parallel lists and arrays indexed
 by a file's position in path order, prefix sums for O(1) subtree bytes, and bisect instead of
 dicts for path lookups. The lists are shared, not copied, with whoever built them.
+
+Why a second ``Manifest`` beside ``spokefs.manifest.Manifest``: that one is the snapshot as
+the hub publishes it (validated on decode, with modes, mtimes, folders and the snapshot id);
+this one is a view of it for the planner's maths, made in one place (``Manifest.of``). The
+view shares the paths and versions lists and adds 16 bytes a file (sizes as int64, their
+prefix sums). Measured with tracemalloc on 1,000,000 synthetic files (40-character paths):
+the decoded snapshot held 301 bytes a file, the view 16 more, so a 40-million-file dataset
+costs ~12 GB decoded and ~0.65 GB more for the planner, not a second copy. Merging the two
+classes would save nothing; what would is the decoded manifest keeping its integer columns
+as arrays (~100 of its 301 bytes are int objects). Block cuts follow ``spokefs.integrity``
+as the hub's do. Tests and ``bench policy`` build views directly from
+(path, version, size) entries, with no snapshot to decode.
 """
 
 from __future__ import annotations
@@ -11,10 +23,14 @@ from array import array
 from bisect import bisect_left
 from collections.abc import Iterable, Sequence
 from itertools import accumulate
+from typing import TYPE_CHECKING
 
 from spokefs.errors import ConfigError
 from spokefs.integrity import DEFAULT_BLOCK_SIZE, block_count
 from spokefs.policy import BlockKey
+
+if TYPE_CHECKING:
+    from spokefs.manifest import Manifest as Snapshot
 
 
 class Manifest:
@@ -42,6 +58,17 @@ class Manifest:
         self.sizes = sizes if isinstance(sizes, array) else array("q", sizes)
         self.block_size = block_size
         self._cum = array("q", accumulate(self.sizes, initial=0))
+
+    @classmethod
+    def of(cls, snapshot: Snapshot) -> Manifest:
+        """The planner's view of a decoded snapshot manifest (its lists shared, not copied;
+        already checked sorted and unique by its decoder, so not checked again)."""
+        view = cls.__new__(cls)
+        view.paths, view.versions = snapshot.paths, snapshot.versions
+        view.sizes = array("q", snapshot.sizes)
+        view.block_size = snapshot.block_size
+        view._cum = array("q", accumulate(view.sizes, initial=0))
+        return view
 
     @classmethod
     def from_entries(
