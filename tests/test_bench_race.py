@@ -97,3 +97,32 @@ def test_epoch_order_is_shared_and_fresh() -> None:
     a0, a1 = race.epoch_order(ds, 1, 0, 1), race.epoch_order(ds, 1, 1, 1)
     assert sorted(a0) == list(range(50)) and a0 != a1          # every file, a fresh order
     assert race.epoch_order(ds, 1, 0, 1) == a0                  # the same for every tool
+
+
+@pytest.mark.skipif(fuse_unusable() is not None, reason=f"no FUSE: {fuse_unusable()}")
+def test_race_tiny_s3_origin(tmp_path: Path) -> None:
+    """``--origin s3``: the datasets in a moto bucket, a hub over it behind the same link;
+    the same figures, the origin recorded, tokens on as by default."""
+    for module in ("boto3", "obstore", "moto"):
+        pytest.importorskip(module)
+    doc = run(tmp_path / "out", "--work-dir", str(tmp_path / "work"), "--origin", "s3",
+              "--tools", "spokefs,http_direct", "--rtt", "10ms", "--bandwidth", "100MB/s",
+              "--shards", "2", "--shard-size", "5MiB", "--small-files", "24", "--small-size",
+              "16KiB", "--small-dirs", "3", "--readers", "2", "--timeout", "60s", "--verify")
+    params, results = doc["params"], doc["results"]
+    assert params["origin"] == "s3" and params["tokens"] is True
+    sizes = params["dataset_bytes"]
+    by = {(r["tool"], r["dataset"], r["readers"], r["epoch"]): r for r in results}
+    for ds in ("shards", "small"):
+        for tool in ("spokefs", "http_direct"):
+            for epoch in ("cold", "warm"):
+                r = by[(tool, ds, 2, epoch)]
+                assert r["error"] is None and not r["timed_out"], r
+                assert r["files_done"] == params["dataset_files"][ds]
+                assert "s3" in r["cpu_s"]  # the S3 server's CPU is counted too
+        cold, warm = by[("spokefs", ds, 2, "cold")], by[("spokefs", ds, 2, "warm")]
+        assert sizes[ds] <= cold["link_bytes"] <= 1.2 * sizes[ds] + 200_000
+        assert warm["link_bytes"] < 0.01 * sizes[ds]
+        assert by[("http_direct", ds, 2, "warm")]["link_bytes"] >= sizes[ds]
+    assert by[("spokefs", "small", 1, "walk")]["link_bytes"] == 0
+    assert "origin s3" in (tmp_path / "out" / "table.md").read_text()

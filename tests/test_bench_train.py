@@ -171,3 +171,27 @@ def test_tiny_end_to_end_run(tmp_path: Path) -> None:
         rows = list(csv.DictReader(f))
     assert {r["scenario"] for r in rows} == set(results)
     assert len(rows) == 3 * 2 * 6
+
+
+@pytest.mark.slow
+def test_tiny_run_on_an_s3_origin(tmp_path: Path) -> None:
+    """``bench seed/train --origin s3``: the dataset in a moto bucket, a hub over it; the
+    same figures, the origin recorded."""
+    for module in ("boto3", "obstore", "moto"):
+        pytest.importorskip(module)
+    from spokefs.bench.training.loop import LoopConfig
+    from spokefs.bench.training.run import TrainConfig, run_train
+
+    cfg = TrainConfig(out=tmp_path / "out", scenarios=("remote_spoke", "remote_direct"),
+                      samples=24, sample_size=20_000, classes=3,
+                      loop=LoopConfig(epochs=2, batch_size=4, workers=2, compute_s=0.01),
+                      rtt=0.002, bandwidth=1e9, data_dir=tmp_path / "data", progress=False,
+                      origin="s3")
+    doc = run_train(cfg)
+    assert doc["params"]["origin"] == "s3" and not doc["params"]["failed"]
+    results = doc["results"]
+    data_bytes = doc["params"]["datasets"]["files"]["bytes"]
+    for r in results.values():
+        assert r["bytes_wrong"] == 0 and r["samples_wrong"] == 0 and r["samples"] == 2 * 24
+    assert data_bytes <= results["remote_spoke"]["wan_bytes"] < 1.2 * data_bytes + 200_000
+    assert results["remote_direct"]["wan_bytes"] >= 2 * data_bytes

@@ -162,7 +162,8 @@ def test_listing_costs_list_requests_only(s3: S3Server, tmp_path: Path) -> None:
         assert len(manifest(hub.url, "k")["paths"]) == n
     requests = [line for line in s3.lines[mark:] if '"' in line]
     lists = [r for r in requests if "list-type=2" in r or "versions" in r]
-    per_object = [r for r in requests if re.search(r'"(GET|HEAD) /many/k/', r)]
+    # (werkzeug colours some request lines: match the method and path, not the quote)
+    per_object = [r for r in requests if re.search(r'(GET|HEAD) /many/k/', r)]
     assert len([r for r in lists if "list-type=2" in r]) == (n + 999) // 1000
     assert per_object == []
 

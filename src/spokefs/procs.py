@@ -43,14 +43,16 @@ class Child:
     goes, as a supervisor's workers log). ``on_line`` hears every line but the ready one;
     ``log_path`` gets them all. ``lines`` keeps the whole output, for tests and reports, or
     with ``keep_output=False`` only what came before the ready line (a child that runs for
-    months must not grow this process).
+    months must not grow this process). ``new_session``: its own session, so a terminal's
+    Ctrl-C reaches only this process, which stops the child itself.
     """
 
     def __init__(self, args: Sequence[str], ready: Callable[[str], bool], *,
                  name: str = "", env: dict[str, str] | None = None,
                  log_path: Path | None = None, merge_stderr: bool = True,
                  on_line: Callable[[str], None] | None = None,
-                 pass_fds: Sequence[int] = (), keep_output: bool = True) -> None:
+                 pass_fds: Sequence[int] = (), keep_output: bool = True,
+                 new_session: bool = False) -> None:
         self.args = list(args)
         self.name = name or " ".join(self.args[3:] if self.args[1:3] == ["-m", "spokefs.cli"]
                                      else self.args)
@@ -60,6 +62,7 @@ class Child:
         self.on_line = on_line
         self.pass_fds = tuple(pass_fds)
         self.keep_output = keep_output
+        self.new_session = new_session
         self._ready_test = ready
         self.proc: subprocess.Popen[str] | None = None
         self.lines: list[str] = []
@@ -75,7 +78,7 @@ class Child:
         self.proc = subprocess.Popen(
             self.args, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT if self.merge_stderr else None, text=True, bufsize=1,
-            env=self.env, pass_fds=self.pass_fds)
+            env=self.env, pass_fds=self.pass_fds, start_new_session=self.new_session)
         threading.Thread(target=self._drain, args=(self.proc,), daemon=True,
                          name=f"drain-{self.proc.pid}").start()
         return self
@@ -204,6 +207,20 @@ def running(*services: Service) -> Iterator[tuple[Service, ...]]:
     finally:
         for s in reversed(started):
             s.stop()
+
+
+def die_with_parent() -> None:
+    """Make this process die with the one that started it (``PR_SET_PDEATHSIG``): a spoke's
+    workers and private hub must not outlive it, even after a ``kill -9``. The signal comes
+    when the thread that started this process exits: launch from a long-lived thread."""
+    import ctypes
+    import ctypes.util
+
+    parent = os.getppid()
+    libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+    libc.prctl(1, signal.SIGKILL, 0, 0, 0)  # PR_SET_PDEATHSIG
+    if os.getppid() != parent:  # it died before the line above
+        os._exit(1)
 
 
 def hub_args(directory: Path, state_dir: Path, port: int = 0) -> list[str]:

@@ -12,6 +12,11 @@ in a fresh random order (the same order for every tool). Tools:
 - ``fsspec_simplecache``: fsspec's ``simplecache::http://...`` (fresh cache dir);
 - ``http_direct``: ranged GETs through the link on kept-alive connections, no cache.
 
+With ``--origin s3`` the datasets are put in a bucket of an S3 server (moto, in a child
+process) and served by a hub over that bucket (``spokefs hub serve s3://...``), behind the
+same link: every tool reads through the same link as before, the bucket hub making each
+block with a conditional ranged GET (docs/s3.md); ``local`` still reads the source folder.
+
 Per tool also: a cold ``os.walk`` + ``stat`` of every file of ``small``. The link's counters
 (bytes both ways, new connections) are reset before and read after every epoch; the CPU
 seconds of every process involved are read from /proc. The floor of a cold epoch is what
@@ -60,6 +65,8 @@ GOALS = {  # (dataset, readers) -> cold epoch seconds / floor at most
     ("small", 1): 1.5, ("small", 8): 1.3, ("shards", 1): 1.1, ("shards", 8): 1.05}
 WARM_GOAL = 3.0             # warm epoch through a mount / local warm epoch, at most
 BYTES_GOAL = 1.02           # link bytes of a cold epoch / dataset bytes, at most
+ORIGINS = ("dir", "s3")
+S3_BUCKET = "spokefs-race"  # --origin s3: each dataset under the prefix of its name
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -104,6 +111,10 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--verify", action="store_true",
                    help="check every file's bytes (sha1) against the source; costs CPU")
     p.add_argument("--seed", type=int, default=1, help="seed of the data and the orders")
+    p.add_argument("--origin", choices=ORIGINS, default="dir",
+                   help="what the hub serves: dir (the datasets' folders; the default) or s3 "
+                   "(the datasets put in a bucket of a local S3 server, moto, and a hub over "
+                   "the bucket; the same link in front)")
     p.add_argument("--no-tokens", action="store_true",
                    help="hub and spoke without --auth (default: with tokens, as deployed; "
                    "every tool presents one)")
@@ -132,6 +143,7 @@ class Params:
     spoke_args: list[str]
     mount_args: list[str]
     tokens: bool = True
+    origin: str = "dir"
 
     @classmethod
     def from_args(cls, a: argparse.Namespace) -> Params:
@@ -157,7 +169,7 @@ class Params:
                    tools=tools, timeout=pick(a.timeout, 300.0, 60.0), skip_slow=a.skip_slow,
                    walk=not a.no_walk, verify=a.verify, seed=a.seed,
                    spoke_args=list(a.spoke_arg), mount_args=list(a.mount_arg),
-                   tokens=not a.no_tokens)
+                   tokens=not a.no_tokens, origin=a.origin)
 
 
 @dataclass
@@ -257,6 +269,7 @@ class Served:
     wan: Any
     link: Link
     tokens: BenchTokens | None = None  # hub (and spoke) run with --auth
+    s3: Any = None  # --origin s3: the S3 server behind the hub
 
     @property
     def auth(self) -> dict[str, str]:  # what every tool sends: its token
@@ -696,15 +709,25 @@ class Race:
 
         started: list[Any] = []
         tokens = BenchTokens.make(self.work / "auth") if self.p.tokens else None
+        s3 = None
         try:
+            if self.p.origin == "s3":
+                from spokefs.bench.s3server import S3Server
+
+                # Its request lines go to a file, not to memory: a run makes many.
+                s3 = S3Server(log_path=self.work / "s3.log", keep_output=False)
+                started.append(s3.start())
             for ds in datasets:
-                hub = Service(hub_args(ds.root, self.work / f"hubstate-{ds.name}")
-                              + (tokens.hub_args() if tokens else []))
+                auth = tokens.hub_args() if tokens else []
+                if s3 is not None:
+                    hub = self._bucket_hub(s3, ds, auth)
+                else:
+                    hub = Service(hub_args(ds.root, self.work / f"hubstate-{ds.name}") + auth)
                 started.append(hub.start(timeout=600))
                 wan = Service(["wan", "--upstream", hub.hostport, "--rtt", f"{self.p.rtt}s",
                                "--bandwidth", f"{self.p.bandwidth}B/s"])
                 started.append(wan.start())
-                self.served[ds.name] = Served(ds, hub, wan, Link(wan.control), tokens)
+                self.served[ds.name] = Served(ds, hub, wan, Link(wan.control), tokens, s3)
             # The mounts and hint clients the tools start present the token (SPOKEFS_TOKEN).
             with tokens.as_client() if tokens else contextlib.nullcontext():
                 yield
@@ -712,10 +735,27 @@ class Race:
             for s in reversed(started):
                 s.stop()
 
+    def _bucket_hub(self, s3: Any, ds: Dataset, auth: list[str]) -> Any:
+        """``ds`` put in the bucket under the prefix of its name, and a hub over it (a fresh
+        state: block digests are made as the first cold epoch reads the blocks)."""
+        from spokefs.bench.s3server import TEST_ENV, bucket_hub_args, upload_tree
+        from spokefs.procs import Service
+
+        t0 = time.perf_counter()
+        put = upload_tree(s3.url, S3_BUCKET, ds.root, ds.name)
+        self.log(f"{ds.name}: {format_size(put)} put in s3://{S3_BUCKET}/{ds.name}/ in "
+                 f"{time.perf_counter() - t0:.1f} s")
+        state = self.work / f"hubstate-s3-{ds.name}"
+        shutil.rmtree(state, ignore_errors=True)
+        return Service(bucket_hub_args(S3_BUCKET, ds.name, state, s3.url) + auth,
+                       env=TEST_ENV)
+
     def _procs(self, served: Served, tool: Tool) -> dict[str, int | None]:
         pids: dict[str, int | None] = {
             "hub": served.hub.proc.pid if served.hub.proc else None,
             "wan": served.wan.proc.pid if served.wan.proc else None}
+        if served.s3 is not None:
+            pids["s3"] = served.s3.pid
         pids.update(tool.pids())
         return pids
 
@@ -995,7 +1035,7 @@ def run(args: argparse.Namespace) -> int:
     t0 = time.time()
     race.log(f"race: tools {','.join(p.tools)}; datasets {','.join(p.datasets)}; readers "
              f"{p.readers}; link {p.rtt * 1e3:.0f} ms, {p.bandwidth / 1e6:.0f} MB/s; "
-             f"load avg {load0[0]:.2f}")
+             f"origin {p.origin}; load avg {load0[0]:.2f}")
     try:
         race.run_all()
     except KeyboardInterrupt:
@@ -1007,7 +1047,7 @@ def run(args: argparse.Namespace) -> int:
                    "small_size": p.small_size, "small_dirs": p.small_dirs,
                    "readers": p.readers, "tools": p.tools, "timeout_s": p.timeout,
                    "skip_slow": p.skip_slow, "seed": p.seed, "spoke_args": p.spoke_args,
-                   "mount_args": p.mount_args, "tokens": p.tokens,
+                   "mount_args": p.mount_args, "tokens": p.tokens, "origin": p.origin,
                    "dataset_bytes": {d.name: d.bytes for d in datasets},
                    "dataset_files": {d.name: len(d.paths) for d in datasets}},
         "results": race.results,
@@ -1028,7 +1068,8 @@ def run(args: argparse.Namespace) -> int:
         write_json(out, doc)
         floors = ", ".join(f"{k} {v:.2f} s ({format_size(doc['params']['dataset_bytes'][k])})"
                            for k, v in doc["floors"].items())
-        md = [f"link {p.rtt * 1e3:.0f} ms / {p.bandwidth / 1e6:.0f} MB/s; floors: {floors}; "
+        md = [f"origin {p.origin}; link {p.rtt * 1e3:.0f} ms / {p.bandwidth / 1e6:.0f} MB/s; "
+              f"floors: {floors}; "
               f"load avg {doc['load_avg_start']} -> {doc['load_avg']}", "", text, ""]
         md += [f"{'MET ' if g['met'] else 'MISS'} {g['goal']}: {g['value']}" for g in goals]
         md += [""] + [f"note: {n}" for n in race.notes]

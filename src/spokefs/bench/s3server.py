@@ -32,10 +32,10 @@ class S3Server(Child):
     request's credentials, and knows none). Its output (a line per request) is in ``lines``."""
 
     def __init__(self, port: int = 0, log_path: Path | None = None,
-                 env: dict[str, str] | None = None) -> None:
+                 env: dict[str, str] | None = None, keep_output: bool = True) -> None:
         super().__init__([sys.executable, "-m", "spokefs.bench.s3server", str(port)],
                          lambda line: _READY.match(line) is not None, name="moto s3",
-                         log_path=log_path, env=env)
+                         log_path=log_path, env=env, keep_output=keep_output)
         self.url = ""
 
     def start(self, timeout: float = 60.0) -> S3Server:
@@ -51,6 +51,39 @@ class S3Server(Child):
     @property
     def port(self) -> int:
         return int(self.url.rsplit(":", 1)[1])
+
+
+def upload_tree(endpoint: str, bucket: str, root: Path, prefix: str,
+                threads: int = 8) -> int:
+    """Put every file under ``root`` into ``bucket`` as ``prefix/relative/path`` (the bucket
+    is made if missing); returns the bytes put. For benchmarks, with the test keys."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    import boto3
+
+    c = boto3.client("s3", endpoint_url=endpoint, region_name=TEST_ENV["AWS_REGION"],
+                     aws_access_key_id=TEST_ENV["AWS_ACCESS_KEY_ID"],
+                     aws_secret_access_key=TEST_ENV["AWS_SECRET_ACCESS_KEY"])
+    try:
+        c.create_bucket(Bucket=bucket)
+    except c.exceptions.BucketAlreadyOwnedByYou:
+        pass
+    files = sorted(p for p in root.rglob("*") if p.is_file())
+
+    def put(path: Path) -> int:
+        body = path.read_bytes()
+        c.put_object(Bucket=bucket, Key=f"{prefix}/{path.relative_to(root).as_posix()}",
+                     Body=body)
+        return len(body)
+
+    with ThreadPoolExecutor(threads) as pool:
+        return sum(pool.map(put, files))
+
+
+def bucket_hub_args(bucket: str, prefix: str, state_dir: Path, endpoint: str) -> list[str]:
+    """``spokefs hub serve s3://bucket/prefix`` on a free port (run it with ``TEST_ENV``)."""
+    return ["hub", "serve", f"s3://{bucket}/{prefix}", "--port", "0", "--state-dir",
+            str(state_dir), "--endpoint-url", endpoint]
 
 
 def main(argv: list[str]) -> None:

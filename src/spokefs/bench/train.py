@@ -82,6 +82,9 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="where built datasets are kept for reuse (default: "
                    "$TMPDIR/spokefs-bench-train)")
     p.add_argument("--no-progress", action="store_true", help="no progress bars")
+    p.add_argument("--origin", choices=("dir", "s3"), default="dir",
+                   help="what the hub serves: dir (the dataset's folder) or s3 (a bucket of "
+                   "a local S3 server, moto; docs/s3.md)")
     p.set_defaults(func=_train)
 
     s = sub.add_parser("seed", help="the reference experiment at small scale (a few minutes)",
@@ -92,6 +95,10 @@ def register(sub: argparse._SubParsersAction) -> None:
     s.add_argument("--out", type=Path, required=True, metavar="DIR", help="output folder")
     s.add_argument("--quick", action="store_true", help="the small version (400 files)")
     s.add_argument("--no-progress", action="store_true", help="no progress bars")
+    s.add_argument("--origin", choices=("dir", "s3"), default="dir",
+                   help="what the hub serves: dir (the dataset's folder; the default) or s3 "
+                   "(the dataset put in a bucket of a local S3 server, moto, and a hub over "
+                   "the bucket, behind the same link)")
     s.set_defaults(func=_seed)
 
 
@@ -109,7 +116,7 @@ def _train(args: argparse.Namespace) -> int:
         link=args.link, cache_size=args.cache_size, spoke_reader=args.spoke_reader,
         stage_inflight=args.stage_inflight, price_per_gb=args.price_per_gb,
         gpu_hour_price=args.gpu_hour_price, data_dir=args.data_dir,
-        progress=not args.no_progress)
+        progress=not args.no_progress, origin=args.origin)
     run_train(cfg)
     return 0
 
@@ -117,5 +124,5 @@ def _train(args: argparse.Namespace) -> int:
 def _seed(args: argparse.Namespace) -> int:
     from spokefs.bench.training.run import run_seed
 
-    run_seed(args.out, quick=args.quick, progress=not args.no_progress)
+    run_seed(args.out, quick=args.quick, progress=not args.no_progress, origin=args.origin)
     return 0

@@ -32,6 +32,7 @@ import hashlib
 import json
 import logging
 import os
+import socket
 import sqlite3
 import threading
 import time
@@ -550,6 +551,10 @@ def serve_bucket(args: argparse.Namespace) -> int:
     from spokefs.wire.run import serve_forever
     from spokefs.wire.server import build_app
 
+    if getattr(args, "die_with_parent", False):
+        from spokefs.procs import die_with_parent
+
+        die_with_parent()
     if args.auth is not None:
         from spokefs.wire.auth import TokenFile
 
@@ -561,7 +566,10 @@ def serve_bucket(args: argparse.Namespace) -> int:
               f"from {state.url}", flush=True)
         check_bind(args.host, args.auth, args.insecure, "hub")
         app = build_app(BucketBackend(state), auth=args.auth, audit=Audit(args.audit_log))
-        asyncio.run(serve_forever(app, args.host, args.port, "hub", tls=tls_paths(args)))
+        fd = getattr(args, "listen_fd", None)
+        sock = None if fd is None else socket.socket(fileno=fd)
+        asyncio.run(serve_forever(app, args.host, args.port, "hub", sock=sock,
+                                  tls=tls_paths(args)))
     finally:
         state.close()
     return 0

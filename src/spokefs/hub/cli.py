@@ -37,6 +37,10 @@ def register(sub: argparse._SubParsersAction) -> None:
     serve.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
     serve.add_argument("--port", type=int, default=8470, help="port (default 8470; 0 = any)")
     add_auth_arguments(serve)
+    # A spoke on s3:// runs its private bucket hub on a socket it holds (a restarted hub
+    # answers on the same address) and makes it die with the spoke (spoke/bucket.py).
+    serve.add_argument("--listen-fd", type=int, help=argparse.SUPPRESS)
+    serve.add_argument("--die-with-parent", action="store_true", help=argparse.SUPPRESS)
     serve.set_defaults(func=_serve)
 
     snap = hsub.add_parser("snapshot", help="record a new snapshot of DIR",

@@ -14,7 +14,8 @@ from spokefs.wire.authargs import add_auth_arguments, tls_paths
 def register(sub: argparse._SubParsersAction) -> None:
     spoke = sub.add_parser("spoke", help="run a cache service near the compute",
                            description="The spoke: a read-through block cache on local disk "
-                           "in front of a hub (or another spoke).")
+                           "in front of a hub (or another spoke), or straight on a bucket "
+                           "(s3://, through a private hub it runs; docs/s3.md).")
     ssub = spoke.add_subparsers(dest="spoke_command", metavar="ACTION")
     ssub.required = True
     serve = ssub.add_parser(
@@ -23,7 +24,14 @@ def register(sub: argparse._SubParsersAction) -> None:
         "fetched from the upstream in batch reads, many in flight, verified, served and "
         "kept. The cache survives restarts and never exceeds --cache-size.")
     serve.add_argument("--upstream", required=True, metavar="URL",
-                       help="hub or spoke to read from, e.g. http://hub.example:8470")
+                       help="hub or spoke to read from, e.g. http://hub.example:8470, or a "
+                       "bucket, s3://BUCKET/PREFIX (docs/s3.md)")
+    serve.add_argument("--name", help="s3:// only: the dataset's name (default: the "
+                       "prefix's last part)")
+    serve.add_argument("--endpoint-url", help="s3:// only: an S3-compatible store's endpoint "
+                       "(default: AWS_ENDPOINT_URL, else AWS)")
+    serve.add_argument("--block-size", type=parse_size, default=None,
+                       help="s3:// only: cache block size for a new dataset (default 4MiB)")
     serve.add_argument("--cache-dir", required=True, type=Path, help="local cache folder")
     serve.add_argument("--cache-size", required=True, type=parse_size,
                        help="hard bound on cached bytes, e.g. 200GiB")
@@ -88,6 +96,14 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def _serve(args: argparse.Namespace) -> int:
+    if args.upstream.startswith("s3://"):  # a private bucket hub becomes the upstream
+        from spokefs.spoke.bucket import serve_on_bucket
+
+        return serve_on_bucket(args, _serve)
+    for opt in ("name", "endpoint_url", "block_size"):
+        if getattr(args, opt) is not None:
+            raise ConfigError(f"--{opt.replace('_', '-')} is for an s3:// upstream: a hub "
+                              "names its datasets and sets their block size")
     from spokefs.spoke.app import run_spoke
     from spokefs.spoke.service import SpokeConfig
 

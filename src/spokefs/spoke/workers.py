@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from spokefs.errors import ConfigError
-from spokefs.procs import Child, StartError, cli
+from spokefs.procs import Child, StartError, cli, die_with_parent
 from spokefs.spoke.service import SpokeConfig
 
 log = logging.getLogger(__name__)
@@ -172,7 +172,7 @@ def run_worker(role: str, index: int, listen_fd: int, unix_path: str, config_raw
 
     from spokefs.wire.run import serve_forever
 
-    _die_with_parent()
+    die_with_parent()
     config = config_from_json(config_raw)
     sock = socket.socket(fileno=listen_fd)
     if role == "primary":
@@ -197,18 +197,6 @@ def run_worker(role: str, index: int, listen_fd: int, unix_path: str, config_raw
         asyncio.run(serve_forever(build_replica_app(backend, auth, audit), "", 0,
                                   "spoke-worker", sock=sock, unix_path=mine, tls=config.tls()))
     return 0
-
-
-def _die_with_parent() -> None:
-    """A worker must not outlive its supervisor (``kill -9`` of the spoke kills them all)."""
-    import ctypes
-    import ctypes.util
-
-    parent = os.getppid()
-    libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
-    libc.prctl(1, signal.SIGKILL, 0, 0, 0)  # PR_SET_PDEATHSIG
-    if os.getppid() != parent:  # it died before the line above
-        os._exit(1)
 
 
 def replica_sockets(cache_dir: Path) -> list[Path]:

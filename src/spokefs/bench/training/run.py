@@ -46,6 +46,8 @@ LINKS = ("wide", "narrow")
 ALL_SCENARIOS = ("local", "local_http", "remote_direct", "remote_spoke",
                  "remote_spoke_hints", "staged", "rclone", "fsspec_cache")
 PEERS = ("rclone", "fsspec_cache")
+ORIGINS = ("dir", "s3")
+S3_BUCKET = "spokefs-train"  # --origin s3: the dataset under the prefix of its name
 # Goals (docs/benchmark.md): reported next to the figures, never tuned for.
 GOAL_STEADY_RATIO = 0.99
 GOAL_WARMUP_BATCHES = 10
@@ -74,6 +76,9 @@ class TrainConfig:
     data_dir: Path | None = None
     progress: bool = True
     title: str = "spokefs bench train"
+    # What the hub serves: "dir" (the dataset's folder) or "s3" (the dataset put in a bucket
+    # of a local S3 server, moto, and a hub over it, behind the same links).
+    origin: str = "dir"
 
     def nominal_demand(self) -> float | None:
         """Bytes/s the loop consumes when data never waits (unknown with a real model)."""
@@ -162,10 +167,13 @@ def _shape_env(cfg: TrainConfig, data: BuiltDataset, links: set[str],
     logs = cfg.out / "logs"
     logs.mkdir(parents=True, exist_ok=True)
     shape = data.spec.shape
-    hub = Service([*hub_args(data.root, data.state_dir), "--name", data.spec.name],
-                  log_path=logs / f"{shape}-hub.log")
-    started: list[Service] = []
+    started: list[Any] = []
     try:
+        if cfg.origin == "s3":
+            hub = _bucket_hub(data, work, logs, started)
+        else:
+            hub = Service([*hub_args(data.root, data.state_dir), "--name", data.spec.name],
+                          log_path=logs / f"{shape}-hub.log")
         started.append(hub.start(timeout=300))
         wans: dict[str, Service] = {}
         for link in sorted(links):
@@ -183,6 +191,26 @@ def _shape_env(cfg: TrainConfig, data: BuiltDataset, links: set[str],
             s.stop()
 
 
+def _bucket_hub(data: BuiltDataset, work: Path, logs: Path, started: list[Any]) -> Service:
+    """``--origin s3``: an S3 server (added to ``started``), the dataset put in a bucket of
+    it, and a hub over the bucket (not started; a fresh state: digests made as read)."""
+    from spokefs.bench.s3server import (
+        TEST_ENV,
+        S3Server,
+        bucket_hub_args,
+        upload_tree,
+    )
+
+    shape = data.spec.shape
+    s3 = S3Server(log_path=logs / f"{shape}-s3.log", keep_output=False)
+    started.append(s3.start())
+    upload_tree(s3.url, S3_BUCKET, data.root, data.spec.name)
+    state = work / f"hubstate-s3-{shape}"
+    shutil.rmtree(state, ignore_errors=True)
+    return Service(bucket_hub_args(S3_BUCKET, data.spec.name, state, s3.url),
+                   log_path=logs / f"{shape}-hub.log", env=TEST_ENV)
+
+
 # -- the whole run ---------------------------------------------------------------------------
 def run_train(cfg: TrainConfig) -> dict[str, Any]:
     """Run every scenario on every shape; write results.json, timeline.csv and the figures
@@ -192,6 +220,8 @@ def run_train(cfg: TrainConfig) -> dict[str, Any]:
     for shape in cfg.shapes:
         if shape not in ("files", "shards"):
             raise ConfigError(f"unknown dataset shape {shape!r} (files or shards)")
+    if cfg.origin not in ORIGINS:
+        raise ConfigError(f"unknown origin {cfg.origin!r} ({', '.join(ORIGINS)})")
     cfg.out.mkdir(parents=True, exist_ok=True)
     data_dir = cfg.data_dir or default_cache_dir()
     results: dict[str, dict[str, Any]] = {}
@@ -257,7 +287,8 @@ def finish(cfg: TrainConfig, results: dict[str, dict[str, Any]],
         f"sleep {cfg.loop.compute_s * 1000:g} ms per batch",
         "rtt_s": cfg.rtt, "link_bytes_per_s": {k: cfg.link_rate(k) for k in LINKS},
         "default_link": cfg.link, "spoke_reader": cfg.spoke_reader,
-        "stage_inflight": cfg.stage_inflight, "price_per_gb": cfg.price_per_gb,
+        "stage_inflight": cfg.stage_inflight, "origin": cfg.origin,
+        "price_per_gb": cfg.price_per_gb,
         "gpu_hour_price": cfg.gpu_hour_price, "nominal_demand_bytes_per_s":
         cfg.nominal_demand(), "datasets": datasets, "local_reader":
         "local: the hub's source folder read directly (the data on this host's disk); "
@@ -376,7 +407,8 @@ def summary(doc: dict[str, Any]) -> str:
 SEED_SCENARIOS = (*ALL_SCENARIOS, "remote_spoke@narrow")
 
 
-def seed_config(out: Path, quick: bool = False, progress: bool = True) -> TrainConfig:
+def seed_config(out: Path, quick: bool = False, progress: bool = True,
+                origin: str = "dir") -> TrainConfig:
     """The reference experiment at small scale: ~100 KB files in class folders, a 60 ms
     link, 3 epochs, a loop paced by its emulated accelerator at 16 samples per 100 ms
     (160 samples/s, 16 MB/s; the reference reports 115-117 samples/s). Full: 800 files and
@@ -386,12 +418,14 @@ def seed_config(out: Path, quick: bool = False, progress: bool = True) -> TrainC
     return TrainConfig(out=out, shapes=("files",), scenarios=scenarios,
                        samples=320 if quick else 800, sample_size=100_000,
                        loop=LoopConfig(epochs=3, batch_size=16, workers=4, compute_s=0.1),
-                       rtt=0.06, bandwidth=400e6, progress=progress,
-                       title="spokefs bench seed" + (" (quick)" if quick else ""))
+                       rtt=0.06, bandwidth=400e6, progress=progress, origin=origin,
+                       title="spokefs bench seed" + (" (quick)" if quick else "")
+                       + (" (origin s3)" if origin == "s3" else ""))
 
 
-def run_seed(out: Path, quick: bool = True, progress: bool = True) -> dict[str, Any]:
+def run_seed(out: Path, quick: bool = True, progress: bool = True,
+             origin: str = "dir") -> dict[str, Any]:
     """Run the reference experiment (quick: about 2 minutes on 2 cores), print the table
     and the figure paths, and return the results document (``results.json``'s content:
     ``{"params", "results", "goals"}``)."""
-    return run_train(seed_config(Path(out), quick, progress))
+    return run_train(seed_config(Path(out), quick, progress, origin))
