@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import random
+import re
 from pathlib import Path
+
+import urllib3
 
 from spokefs.procs import Service
 
@@ -43,3 +46,14 @@ def spoke(upstream: str, cache_dir: Path, cache_size: str = "1GiB", *extra: str
     return ServerProcess("spoke", "serve", "--upstream", upstream, "--cache-dir",
                          str(cache_dir), "--cache-size", cache_size, "--port", "0",
                          "--no-fsync", *extra)
+
+
+def metric(base: str, name: str, **labels: str) -> float:
+    """The sum of the samples of metric ``name`` (those with ``labels``) a server exports."""
+    text = urllib3.request("GET", f"{base}/metrics").data.decode()
+    total = 0.0
+    for line in text.splitlines():
+        m = re.match(rf"^{name}(?:{{([^}}]*)}})? (\S+)$", line)
+        if m and all(f'{k}="{v}"' in (m.group(1) or "") for k, v in labels.items()):
+            total += float(m.group(2))
+    return total

@@ -11,18 +11,12 @@ from pathlib import Path
 import pytest
 import urllib3
 
-from servers import spoke
+from servers import metric, spoke
 from spokefs.cache.inspect import blocks_on_disk
 from spokefs.errors import ConfigError
 from spokefs.spoke.datasets import parse_rules
 
 http = urllib3.PoolManager(retries=False)
-
-
-def metric(base: str, name: str) -> float:
-    text = http.request("GET", f"{base}/metrics").data.decode()
-    return sum(float(x.rsplit(" ", 1)[1]) for x in text.splitlines()
-               if x.startswith(name) and not x.startswith("#"))
 
 
 def status(base: str) -> dict:

@@ -28,7 +28,7 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))
 
-from servers import ServerProcess, hub, make_dataset, spoke
+from servers import ServerProcess, hub, make_dataset, metric, spoke
 from spokefs.cache.inspect import blocks_on_disk
 from spokefs.errors import ConfigError, ReadFailed, SpokeError, Transient
 from spokefs.mount import sysfs
@@ -651,14 +651,6 @@ def test_embedded_cache_reads_a_hub_directly(stack: tuple[Path, ServerProcess],
 
 
 # -- the short circuit: reading the spoke's cache files on its own host ----------------------
-def _metric(base: str, name: str) -> float:
-    import urllib3
-
-    text = urllib3.request("GET", f"{base}/metrics").data.decode()
-    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
-               if line.startswith(name) and not line.startswith("#"))
-
-
 def _own_spoke(stack: tuple[Path, ServerProcess], tmp_path: Path, *extra: str) -> ServerProcess:
     hub_url = stack[1].args[stack[1].args.index("--upstream") + 1]
     return spoke(hub_url, tmp_path / "cache", "1GiB", *extra)
@@ -675,14 +667,14 @@ def test_short_circuit_reads_resident_blocks_from_the_cache_files(
         names = sorted(p.relative_to(ds).as_posix() for p in (ds / "many").iterdir())[:50]
         for name in names:  # misses: the spoke fetches, the mount reads its cache files
             assert (mp / name).read_bytes() == (ds / name).read_bytes()
-        served = _metric(s.url, "spokefs_served_bytes_total")
+        served = metric(s.url, "spokefs_served_bytes_total")
         assert served < sum((ds / n).stat().st_size for n in names)  # not through HTTP
         big = "shards/shard-002.tar"
         src = (ds / big).read_bytes()
         with open(mp / big, "rb", buffering=0) as f:
             for off in (0, 4_194_000, 17_000_000, len(src) - 10):
                 assert os.pread(f.fileno(), 300_000, off) == src[off:off + 300_000]
-        assert _metric(s.url, "spokefs_integrity_failures_total") == 0
+        assert metric(s.url, "spokefs_integrity_failures_total") == 0
 
 
 @needs_fuse
@@ -708,7 +700,7 @@ def test_short_circuit_never_serves_a_damaged_block(stack: tuple[Path, ServerPro
         with MountProcess(f"{s.url}/ds", mp) as m:
             assert any("short circuit on" in line for line in m.output)
             assert (mp / name).read_bytes() == src  # detected, refetched, never served
-        assert _metric(s.url, "spokefs_integrity_failures_total") >= 1
+        assert metric(s.url, "spokefs_integrity_failures_total") >= 1
 
 
 @needs_fuse
@@ -728,11 +720,11 @@ def test_short_circuit_read_of_an_evicted_block_refetches(stack: tuple[Path, Ser
         assert os.pread(f.fileno(), 1000, 0) == src[:1000]   # block 0 located and read
         for other in ("shards/shard-001.tar", "shards/shard-000.tar"):
             assert urllib3.request("GET", f"{s.url}/ds/{other}").data == (ds / other).read_bytes()
-        assert _metric(s.url, "spokefs_cache_evictions_total") > 0
+        assert metric(s.url, "spokefs_cache_evictions_total") > 0
         # Another part of block 0 (not in the kernel's cache yet): its old location now
         # reads as freed space, fails its check, is asked again and fetched again.
         assert os.pread(f.fileno(), 1000, 3_000_000) == src[3_000_000:3_001_000]
-        assert _metric(s.url, "spokefs_integrity_failures_total") == 0  # stale is not damage
+        assert metric(s.url, "spokefs_integrity_failures_total") == 0  # stale is not damage
 
 
 @needs_fuse
@@ -757,7 +749,7 @@ def test_short_circuit_hears_of_prefetched_blocks_before_reading_them(
         assert got["blocks located"] == 1, line
         assert got["locations heard"] >= len(names), line
         assert got["reads from"] == len(names) and got["reads over"] == 0, line
-        assert _metric(s.url, "spokefs_short_circuit_bytes_total") == sum(
+        assert metric(s.url, "spokefs_short_circuit_bytes_total") == sum(
             (ds / n).stat().st_size for n in names)
 
 
@@ -774,4 +766,4 @@ def test_a_mount_that_cannot_see_the_spokes_folder_reads_over_http(
             assert any("short circuit off" in line for line in m.output), "".join(m.output)
             name = "class1/img0001.jpg"
             assert (mp / name).read_bytes() == (ds / name).read_bytes()
-            assert _metric(s.url, "spokefs_served_bytes_total") == (ds / name).stat().st_size
+            assert metric(s.url, "spokefs_served_bytes_total") == (ds / name).stat().st_size

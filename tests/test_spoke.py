@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import shutil
 import threading
 import time
@@ -13,7 +12,7 @@ from pathlib import Path
 import pytest
 import urllib3
 
-from servers import spoke
+from servers import metric, spoke
 from spokefs.cache.inspect import OnDisk, blocks_on_disk
 from spokefs.manifest import Manifest
 
@@ -22,16 +21,6 @@ http = urllib3.PoolManager(retries=False, maxsize=16)
 
 def get(url: str, **headers: str) -> urllib3.BaseHTTPResponse:
     return http.request("GET", url, headers=headers, redirect=False)
-
-
-def metric(base: str, name: str) -> float:
-    text = get(f"{base}/metrics").data.decode()
-    total = 0.0
-    for line in text.splitlines():
-        m = re.match(rf"^{name}(?:{{[^}}]*}})? (\S+)$", line)
-        if m:
-            total += float(m.group(1))
-    return total
 
 
 def wait_for_index(cache: Path, n: int, timeout: float = 10.0) -> list[OnDisk]:

@@ -15,16 +15,10 @@ import pytest
 import urllib3
 
 import spokefs
-from servers import spoke
+from servers import metric, spoke
 from spokefs.mount.process import MountProcess, fuse_unusable
 
 http = urllib3.PoolManager(retries=False)
-
-
-def metric(base: str, name: str) -> float:
-    text = http.request("GET", f"{base}/metrics").data.decode()
-    return sum(float(x.rsplit(" ", 1)[1]) for x in text.splitlines()
-               if x.startswith(name) and not x.startswith("#"))
 
 
 def snapshot(hub_url: str) -> str:

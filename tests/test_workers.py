@@ -10,16 +10,10 @@ from pathlib import Path
 
 import urllib3
 
-from servers import spoke
+from servers import metric, spoke
 from spokefs.client.control import SpokeControl
 
 http = urllib3.PoolManager(retries=False, maxsize=32, timeout=60)
-
-
-def metric(base: str, name: str) -> float:
-    text = http.request("GET", f"{base}/metrics").data.decode()
-    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
-               if line.startswith(name) and not line.startswith("#"))
 
 
 def files(dataset: Path) -> dict[str, bytes]:

@@ -18,12 +18,19 @@ import time
 from collections import OrderedDict
 from collections.abc import AsyncIterator
 from pathlib import Path
-from typing import BinaryIO
+from typing import BinaryIO, Protocol
 
 from prometheus_client import CollectorRegistry, Counter
 
 from spokefs.errors import BadRequest, NotFound, SpokeError, VersionGone
-from spokefs.hub.snapshot import HubState, NotRegularFile, StoredFile, identity, open_regular
+from spokefs.hub.snapshot import (
+    HubState,
+    NotRegularFile,
+    SnapshotInfo,
+    StoredFile,
+    identity,
+    open_regular,
+)
 from spokefs.integrity import DIGEST_SIZE, block_count
 from spokefs.manifest import Manifest
 from spokefs.wire.backend import (
@@ -40,7 +47,47 @@ OPEN_FILES = 1024      # files kept open between reads
 REFRESH_EVERY = 1.0    # seconds between checks for a snapshot made by another process
 
 
-class HubBackend:
+class SnapshotState(Protocol):
+    """What a hub keeps of a dataset (a folder's HubState, a bucket's BucketState)."""
+
+    block_size: int
+
+    def snapshots(self) -> list[SnapshotInfo]: ...
+    def resolve(self, snap: str) -> SnapshotInfo: ...
+    def manifest_path(self, snap_id: str) -> Path: ...
+
+
+class PublishedSnapshots:
+    """The metadata half of a hub's Backend: datasets, snapshots, manifests. The same for a
+    folder and a bucket; each says how it finds a dataset's state (``_state``)."""
+
+    _manifests: ManifestMemo
+
+    def _state(self, name: str) -> SnapshotState:
+        raise NotImplementedError
+
+    async def dataset(self, name: str) -> DatasetInfo:
+        st = self._state(name)
+        snaps = st.snapshots()
+        return DatasetInfo(name, st.block_size, snaps[-1].id if snaps else None,
+                           [s.to_json() for s in snaps])
+
+    async def resolve(self, name: str, snap: str) -> str:
+        return self._state(name).resolve(snap).id
+
+    def snapshots_used(self, name: str, snap_ids: list[str]) -> None:
+        """A hub keeps every snapshot's manifest; which ones readers use changes nothing."""
+
+    async def manifest_blob(self, name: str, snap_id: str) -> bytes:
+        st = self._state(name)
+        st.resolve(snap_id)
+        return await asyncio.to_thread(st.manifest_path(snap_id).read_bytes)
+
+    async def manifest(self, name: str, snap_id: str) -> Manifest:
+        return (await self._manifests.get(name, snap_id, self.manifest_blob))[0]
+
+
+class HubBackend(PublishedSnapshots):
     role = "hub"
 
     def __init__(self, states: list[HubState]) -> None:
@@ -70,26 +117,6 @@ class HubBackend:
 
     async def datasets(self) -> list[DatasetInfo]:
         return [await self.dataset(n) for n in sorted(self.states)]
-
-    async def dataset(self, name: str) -> DatasetInfo:
-        st = self._state(name)
-        snaps = st.snapshots()
-        return DatasetInfo(name, st.block_size, snaps[-1].id if snaps else None,
-                           [s.to_json() for s in snaps])
-
-    async def resolve(self, name: str, snap: str) -> str:
-        return self._state(name).resolve(snap).id
-
-    def snapshots_used(self, name: str, snap_ids: list[str]) -> None:
-        """A hub keeps every snapshot's manifest; which ones readers use changes nothing."""
-
-    async def manifest_blob(self, name: str, snap_id: str) -> bytes:
-        st = self._state(name)
-        st.resolve(snap_id)
-        return await asyncio.to_thread(st.manifest_path(snap_id).read_bytes)
-
-    async def manifest(self, name: str, snap_id: str) -> Manifest:
-        return (await self._manifests.get(name, snap_id, self.manifest_blob))[0]
 
     def _stored(self, name: str, version: str) -> StoredFile:
         st = self._state(name)

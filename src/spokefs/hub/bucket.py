@@ -52,6 +52,7 @@ from spokefs.errors import (
     TooLarge,
     VersionGone,
 )
+from spokefs.hub.backend import REFRESH_EVERY, RESERVED_NAMES, PublishedSnapshots
 from spokefs.hub.snapshot import ScanResult, SnapshotInfo
 from spokefs.manifest import Manifest
 from spokefs.origin.s3 import BucketUrl, ObjectInfo, S3Origin, parse_bucket_url
@@ -64,8 +65,6 @@ GETS_IN_FLIGHT = 64     # ranged GETs at once (S3: ~85-90 MB/s each, so a fast l
 READ_AHEAD = 4          # blocks fetched ahead of a plain read's position
 BATCH_BYTES = 64 << 20  # bytes one batch read may hold in memory (see read_blocks)
 FLUSH_AFTER = 0.2       # seconds new digests wait, gathered, before they are written
-REFRESH_EVERY = 1.0     # seconds between checks for a snapshot made by another process
-RESERVED_NAMES = {"v1", "metrics"}
 
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS objects (
@@ -304,7 +303,7 @@ class BucketState:
         return ScanResult(info, True, 0, 0)
 
 
-class BucketBackend:
+class BucketBackend(PublishedSnapshots):
     """A bucket dataset as a ``Backend`` (wire/backend.py): whole blocks by conditional
     ranged GETs, many in flight, one GET per block however many readers want it."""
 
@@ -344,26 +343,6 @@ class BucketBackend:
 
     async def datasets(self) -> list[DatasetInfo]:
         return [await self.dataset(self.st.name)]
-
-    async def dataset(self, name: str) -> DatasetInfo:
-        st = self._state(name)
-        snaps = st.snapshots()
-        return DatasetInfo(name, st.block_size, snaps[-1].id if snaps else None,
-                           [s.to_json() for s in snaps])
-
-    async def resolve(self, name: str, snap: str) -> str:
-        return self._state(name).resolve(snap).id
-
-    def snapshots_used(self, name: str, snap_ids: list[str]) -> None:
-        """Every snapshot's manifest is kept; which ones readers use changes nothing."""
-
-    async def manifest_blob(self, name: str, snap_id: str) -> bytes:
-        st = self._state(name)
-        st.resolve(snap_id)
-        return await asyncio.to_thread(st.manifest_path(snap_id).read_bytes)
-
-    async def manifest(self, name: str, snap_id: str) -> Manifest:
-        return (await self._manifests.get(name, snap_id, self.manifest_blob))[0]
 
     def _stored(self, name: str, version: str) -> ObjectInfo:
         st = self._state(name)
