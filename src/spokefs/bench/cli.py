@@ -20,6 +20,7 @@ BENCH_MODULES = [
     "spokefs.bench.chaos",
     "spokefs.bench.abuse",
     "spokefs.bench.s3client",
+    "spokefs.bench.tier",
 ]
 
 

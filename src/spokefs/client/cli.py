@@ -158,6 +158,14 @@ def _status(args: argparse.Namespace) -> int:
         p = doc["prefetch"]
         print(f"  prefetch   {format_size(p.get('inflight_bytes', 0))} in flight, "
               f"{format_size(p.get('pinned_bytes', 0))} pinned")
+    tier = doc.get("tier")
+    if tier:
+        err = tier.get("refresh_error")
+        print(f"  tier       {len(tier['members'])} members ({tier['source']})"
+              f"{', LIST NOT REFRESHED: ' + err if err else ''}")
+        for m in tier["members"]:
+            print(f"    {m['url']:<40} {m['state']:<8} share {m.get('share', 0):.1%}"
+                  f"{'  (this member)' if m.get('self') else ''}")
     return 0
 
 

@@ -8,6 +8,7 @@ from aiohttp import web
 
 from spokefs.spoke.routes import SpokeRoutes
 from spokefs.spoke.service import SpokeBackend, SpokeConfig
+from spokefs.spoke.tier import peer_middleware
 from spokefs.wire.run import serve_forever
 from spokefs.wire.server import RELOAD_KEY, build_app
 
@@ -17,6 +18,8 @@ def build_spoke_app(backend: SpokeBackend) -> web.Application:
     app = build_app(backend, SpokeRoutes(backend).routes(), auth=Path(auth) if auth else None,
                     audit=backend.audit)
     app[RELOAD_KEY] = [backend.reload_dataset_rules]
+    if backend.tier is not None:  # innermost: after the token was checked
+        app.middlewares.append(peer_middleware)
 
     async def lifecycle(app: web.Application):
         await backend.start()

@@ -85,6 +85,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     serve.add_argument("--workers", type=int, default=None, metavar="N",
                        help="processes serving readers (default: the number of cores, at "
                        "most 16): one primary fills the cache, the others serve from it too")
+    from spokefs.spoke.tierargs import add_tier_arguments
+
+    add_tier_arguments(serve)
     serve.set_defaults(func=_serve)
     worker = ssub.add_parser("_worker", help=argparse.SUPPRESS)
     worker.add_argument("--role", choices=("primary", "replica"), required=True)
@@ -130,6 +133,11 @@ def _serve(args: argparse.Namespace) -> int:
 
         server_context(*tls)  # a bad certificate stops the spoke before it starts
         config.tls_cert, config.tls_key = str(tls[0]), str(tls[1])
+    from spokefs.spoke.tierargs import tier_config
+
+    for field, value in tier_config(args, args.host, args.port, tls is not None).items():
+        setattr(config, field, value)
+    config.tier_token()  # an unreadable tier token file stops the spoke before it starts
     from spokefs.wire.auth import TokenFile, check_bind
 
     check_bind(args.host, args.auth, args.insecure, "spoke")

@@ -9,6 +9,13 @@ of its own, checked against the digest the upstream sent once the whole frame is
 handed to the readers waiting for it and written to the store by its worker thread, all
 while later frames are still arriving.
 
+In a spoke tier (``spoke.tier``), each block has a route: the upstream, or the member that
+owns it (a batch read marked ``X-Spokefs-Peer``); batches never mix routes. A member that
+fails or goes silent gives its blocks back to be routed again without it (the next member in
+the block's ranking, then the upstream), at once, with no backoff. A block fetched from
+another member is handed to its readers and held in memory only (``borrowed``), not kept on
+disk: its owner keeps it.
+
 Failures: a connection that fails or goes silent gives back the blocks it did not deliver,
 which are retried with backoff until ``deadline`` seconds after their fetch began, then fail
 with ``UpstreamUnavailable``; a frame whose digest does not match is fetched again, three
@@ -46,7 +53,10 @@ from spokefs.policy import BlockKey
 from spokefs.retry import backoff_delays
 from spokefs.spoke.fetchqueue import QUEUED, Batch, Entry, FetchQueue
 from spokefs.spoke.metrics import SpokeMetrics
+from spokefs.spoke.tier import Tier
+from spokefs.tier.membership import State
 from spokefs.wire.frames import FrameHeader
+from spokefs.wire.headers import H_PEER
 from spokefs.wire.http1 import DataClient
 
 log = logging.getLogger(__name__)
@@ -167,10 +177,11 @@ class FetchCancelled(Exception):
 
 
 class Fetch:
-    __slots__ = ("bad", "dataset", "delays", "entry", "future", "key", "prefetch", "started")
+    __slots__ = ("bad", "dataset", "delays", "direct", "entry", "future", "keep", "key",
+                 "prefetch", "started", "tried")
 
     def __init__(self, key: BlockKey, dataset: str, future: asyncio.Future[Block],
-                 entry: Entry) -> None:
+                 entry: Entry, direct: bool = False) -> None:
         self.key = key
         self.dataset = dataset
         self.future = future
@@ -179,6 +190,9 @@ class Fetch:
         self.delays: Iterator[float] | None = None
         self.bad = 0  # digest failures
         self.prefetch = False  # came in a prefetch batch (counted as prefetched bytes)
+        self.direct = direct  # a tier member asked: the cache or the upstream only
+        self.keep = True  # kept in the store once fetched (tier: owned, or asked as owner)
+        self.tried: set[str] = set()  # tier members that failed this block
 
 
 Spawn = Callable[[Coroutine[Any, Any, Any]], asyncio.Task[Any]]
@@ -192,8 +206,9 @@ class Fetcher:
                  spawn: Spawn, max_requests: int = 64, deadline: float = 30.0,
                  link: LinkModel | None = None,
                  finished: Callable[[BlockKey, bool], None] | None = None,
-                 token: str | None = None) -> None:
+                 token: str | None = None, tier: Tier | None = None) -> None:
         self.upstream = upstream
+        self.tier = tier
         self.store = store
         self.metrics = metrics
         self.spawn = spawn
@@ -205,7 +220,13 @@ class Fetcher:
         self.queue = FetchQueue(max_requests, prefetch_window=(
             link.window() if link is not None else None))
         self._fetches: dict[BlockKey, Fetch] = {}
+        # Tier: fetches from the upstream for a member's request while this member's own
+        # fetch of the block is out to another member (never wait on a member for a member).
+        self._direct: dict[BlockKey, Fetch] = {}
         self._writing: dict[BlockKey, Block] = {}   # handed out, not yet indexed
+        # Tier: blocks got from other members, held in memory only (most recent last).
+        self.borrowed: OrderedDict[BlockKey, Block] = OrderedDict()
+        self.borrowed_bytes = 0
         # Digests of blocks served without being kept (single-block reads send them).
         self.passed: OrderedDict[BlockKey, bytes] = OrderedDict()
         self.last_error: str | None = None
@@ -217,29 +238,88 @@ class Fetcher:
         self.expected_size: Callable[[str, BlockKey], int] = lambda ds, key: 4 << 20
 
     # -- asking --------------------------------------------------------------------------------
-    def want(self, dataset: str, key: BlockKey, priority: int) -> asyncio.Future[Block]:
-        """The block's fetch (started now, or the one under way, raised to ``priority``)."""
+    def want(self, dataset: str, key: BlockKey, priority: int,
+             direct: bool = False) -> asyncio.Future[Block]:
+        """The block's fetch (started now, or the one under way, raised to ``priority``).
+        ``direct``: another tier member asks; only the upstream may be asked for it."""
         f = self._fetches.get(key)
         if f is not None:
-            self.queue.raise_priority(f.entry, priority)
+            if direct and f.entry.route is not None:
+                if f.entry.state != QUEUED:  # out to a member: a fetch of its own
+                    d = self._direct.get(key)
+                    if d is not None:
+                        self.queue.raise_priority(d.entry, priority)
+                        self._pump()
+                        return d.future
+                    return self._start(dataset, key, priority, True, self._direct)
+                self.queue.remove(f.entry)  # queued for a member: to the upstream instead
+                f.direct = True
+                f.entry = self._enqueue(f, min(priority, f.entry.priority))
+            else:
+                self.queue.raise_priority(f.entry, priority)
             self._pump()
             return f.future
-        fut: asyncio.Future[Block] = asyncio.get_running_loop().create_future()
-        block = self._writing.get(key)
-        if block is not None:  # fetched a moment ago, being written: no second fetch
+        block = self.recent(key)
+        if block is not None:  # fetched a moment ago (being written, or borrowed)
+            fut: asyncio.Future[Block] = asyncio.get_running_loop().create_future()
             fut.set_result(block)
+            if key in self.borrowed:  # the planner may be waiting on it
+                asyncio.get_running_loop().call_soon(self.finished, key, True)
             return fut
-        entry = self.queue.add(key, dataset, priority, self.expected_size(dataset, key))
-        self._fetches[key] = Fetch(key, dataset, fut, entry)
+        return self._start(dataset, key, priority, direct, self._fetches)
+
+    def _start(self, dataset: str, key: BlockKey, priority: int, direct: bool,
+               table: dict[BlockKey, Fetch]) -> asyncio.Future[Block]:
+        fut: asyncio.Future[Block] = asyncio.get_running_loop().create_future()
+        f = Fetch(key, dataset, fut, None, direct)  # type: ignore[arg-type]  # set below
+        f.entry = self._enqueue(f, priority)
+        table[key] = f
         self._pump()
         return fut
 
+    def _enqueue(self, f: Fetch, priority: int) -> Entry:
+        entry = self.queue.add(f.key, f.dataset, priority,
+                               self.expected_size(f.dataset, f.key))
+        entry.data = f
+        self._assign(f, entry)
+        return entry
+
+    def _assign(self, f: Fetch, entry: Entry) -> None:
+        """The route of ``f`` (tier: the owner, or the next member, or the upstream)."""
+        if self.tier is None:
+            return
+        r = self.tier.route(f.key, f.tried, f.direct)
+        entry.route, f.keep = r.peer, r.keep
+
     def fetching(self, key: BlockKey) -> bool:
-        return key in self._fetches
+        return key in self._fetches or key in self._direct
 
     def recent(self, key: BlockKey) -> Block | None:
-        """A block fetched and handed out, still being written to the store."""
-        return self._writing.get(key)
+        """A block fetched and handed out, still being written to the store, or (tier) got
+        from another member and held in memory a while."""
+        block = self._writing.get(key)
+        if block is None and self.borrowed:
+            block = self.borrowed.get(key)
+            if block is not None:
+                self.borrowed.move_to_end(key)
+        return block
+
+    @property
+    def last_received(self) -> float:
+        """When bytes last came from the upstream or (tier) any member."""
+        t = self.client.last_received
+        return t if self.tier is None else max(t, self.tier.last_received)
+
+    def _borrow(self, key: BlockKey, block: Block) -> None:
+        assert self.tier is not None
+        old = self.borrowed.pop(key, None)
+        if old is not None:
+            self.borrowed_bytes -= old.size
+        self.borrowed[key] = block
+        self.borrowed_bytes += block.size
+        while self.borrowed_bytes > self.tier.borrow_bytes and self.borrowed:
+            _, gone = self.borrowed.popitem(last=False)
+            self.borrowed_bytes -= gone.size
 
     def cancel(self, key: BlockKey) -> bool:
         """Withdraw a queued prefetch (one that went out runs to its end)."""
@@ -259,6 +339,8 @@ class Fetcher:
 
     async def close(self) -> None:
         await self.client.close()
+        if self.tier is not None:
+            await self.tier.close()
         self.arenas.close()
         if self._hasher is not None:
             self._hasher.shutdown(wait=True)
@@ -278,7 +360,10 @@ class Fetcher:
             self.spawn(self._request(batch))
 
     async def _request(self, batch: Batch) -> None:
-        fetches = [self._fetches[e.key] for e in batch.entries]
+        fetches: list[Fetch] = [e.data for e in batch.entries]
+        if batch.route is not None:
+            await self._peer_request(batch, fetches)
+            return
         ds = batch.group
         kind = "prefetch" if batch.prefetch else "demand"
         self.metrics.upstream_requests.labels(kind).inc()
@@ -365,8 +450,86 @@ class Fetcher:
             self._retry(left, cause or "the upstream's answer ended early")
         self._pump()
 
+    async def _peer_request(self, batch: Batch, fetches: list[Fetch]) -> None:
+        """A batch read from the tier member that owns these blocks (marked, so it asks no
+        other member). A member that fails, goes silent or refuses us gives the blocks it did
+        not deliver back to be routed without it, at once."""
+        tier, peer = self.tier, batch.route
+        assert tier is not None and peer is not None
+        body = json.dumps({"blocks": [list(f.key) for f in fetches]}).encode()
+        bufs: dict[int, memoryview] = {}
+        done: set[int] = set()
+        got = [0, 0]  # bytes, blocks
+
+        def begin(h: FrameHeader) -> memoryview | None:
+            if h.status != 200 or h.seq >= len(fetches) or h.seq in done:
+                return None
+            # A buffer of its own: a block got from a member may be held a while (borrowed).
+            bufs[h.seq] = memoryview(bytearray(h.length))
+            return bufs[h.seq]
+
+        def end(h: FrameHeader, payload: memoryview) -> None:
+            if h.seq >= len(fetches) or h.seq in done:
+                raise ValueError(f"frame {h.seq} was not asked for or came twice")
+            done.add(h.seq)
+            f = fetches[h.seq]
+            if h.status >= 500:  # the member could not get it: the next one, or upstream
+                self._reroute([f], peer)
+                return
+            if h.status == 200:
+                got[0] += h.length
+                got[1] += 1
+            self._frame(f, h, payload, bufs.pop(h.seq, None), batch.prefetch, None, peer)
+
+        def arrived(n: int) -> None:
+            self.queue.received(batch, n)
+            if self.queue.held_back:
+                self._pump()
+
+        failure: str | None = None
+        try:
+            await tier.client(peer).read_blocks(
+                f"/v1/datasets/{batch.group}/blocks", body, begin, end, progress=arrived,
+                headers={H_PEER: "prefetch" if batch.prefetch else "demand"})
+        except Transient as exc:
+            failure = str(exc)
+        except SpokeError as exc:
+            if exc.status in (401, 403):  # a member that refuses us is no member to ask
+                failure = f"refused ({exc.status}): {exc}"
+                if tier.router.state(peer, tier.clock()) is State.UP:  # once, not per batch
+                    log.warning("tier member %s refused a batch read: %s (does its --auth "
+                                "file hold this member's tier token?)", peer, exc,
+                                extra={"event": "tier_refused", "member": peer})
+            else:  # final for each block (the same answer the upstream would give)
+                for seq, f in enumerate(fetches):
+                    if seq not in done:
+                        self._end(f, error=exc)
+                tier.answered(peer, got[0], got[1])
+                self._pump()
+                return
+        finally:
+            self.queue.finished(batch)
+        left = [f for seq, f in enumerate(fetches) if seq not in done]
+        if failure is None:
+            tier.answered(peer, got[0], got[1])
+            if left:  # an answer without some of its frames: those go elsewhere
+                tier.rerouted(peer, len(left))
+        else:
+            tier.failed(peer, failure, len(left))
+        if left:
+            self._reroute(left, peer)
+        self._pump()
+
+    def _reroute(self, fetches: list[Fetch], peer: str) -> None:
+        """Ask again without ``peer``: the next member in each block's ranking, else the
+        upstream (no pause: another source, not the same one again)."""
+        for f in fetches:
+            f.tried.add(peer)
+            self._requeue(f)
+
     def _frame(self, f: Fetch, h: FrameHeader, payload: memoryview, buf: memoryview | None,
-               prefetch: bool, padded: memoryview | None = None) -> None:
+               prefetch: bool, padded: memoryview | None = None,
+               peer: str | None = None) -> None:
         if h.status != 200:
             try:
                 doc = json.loads(bytes(payload))
@@ -379,25 +542,33 @@ class Fetcher:
                 self._end(f, error=from_status(h.status, doc, f"upstream answered {h.status}"))
             return
         assert buf is not None
-        self.metrics.upstream_bytes.labels("prefetch" if prefetch else "demand").inc(h.length)
+        if peer is None:
+            self.metrics.upstream_bytes.labels("prefetch" if prefetch else "demand").inc(
+                h.length)
         f.prefetch = prefetch
         chunk = self.store.chunk_size
         if h.length < HASH_IN_THREAD:
-            self._checked(f, h, buf, _digests(payload, chunk), padded)
+            self._checked(f, h, buf, _digests(payload, chunk), padded, peer)
             return
         if self._hasher is None:
             self._hasher = ThreadPoolExecutor(2, thread_name_prefix="spokefs-hash")
         fut = asyncio.get_running_loop().run_in_executor(self._hasher, _digests, payload, chunk)
-        fut.add_done_callback(lambda d: self._checked(f, h, buf, d.result(), padded))
+        fut.add_done_callback(lambda d: self._checked(f, h, buf, d.result(), padded, peer))
 
     def _checked(self, f: Fetch, h: FrameHeader, buf: memoryview,
-                 digests: tuple[bytes, bytes], padded: memoryview | None) -> None:
+                 digests: tuple[bytes, bytes], padded: memoryview | None,
+                 peer: str | None = None) -> None:
         if digests[0] != h.digest:
             f.bad += 1
-            self.metrics.integrity_failures.labels("upstream").inc()
+            where = "upstream" if peer is None else "peer"
+            self.metrics.integrity_failures.labels(where).inc()
             what = f"block {f.key[1]} of {f.key[0]} ({f.dataset})"
-            log.warning("%s from upstream failed its digest check (attempt %d)", what, f.bad,
-                        extra={"event": "integrity_failure", "where": "upstream"})
+            log.warning("%s from %s failed its digest check (attempt %d)", what,
+                        "upstream" if peer is None else f"tier member {peer}", f.bad,
+                        extra={"event": "integrity_failure", "where": where})
+            if peer is not None and f.bad < MAX_DIGEST_FAILURES:
+                self._reroute([f], peer)  # not from that member again
+                return
             if f.bad >= MAX_DIGEST_FAILURES:
                 self._end(f, error=IntegrityError(
                     f"{what} failed its digest check {f.bad} times; the upstream's copy may "
@@ -407,6 +578,8 @@ class Fetcher:
             return
         block = Block(buf, h.digest, h.object_size, digests[1])
         block.padded = padded
+        if peer is not None and self.tier is not None:
+            self.tier.got(f.key)
         self._end(f, block=block)
 
     # -- ends ----------------------------------------------------------------------------------
@@ -415,6 +588,8 @@ class Fetcher:
         key = f.key
         if self._fetches.get(key) is f:
             del self._fetches[key]
+        elif self._direct.get(key) is f:
+            del self._direct[key]
         if block is None:
             if not f.future.done():
                 f.future.set_exception(error or RuntimeError("fetch ended without a block"))
@@ -422,6 +597,12 @@ class Fetcher:
             self.finished(key, False)
             return
         self.store.set_object_size(key[0], block.object_size)
+        if not f.keep:  # tier: another member owns it and keeps it; held in memory a while
+            self._borrow(key, block)
+            if not f.future.done():
+                f.future.set_result(block)
+            self.finished(key, True)
+            return
         res = self.store.reserve(key, block.size, f.dataset)
         if res is None:
             self._passed(key, block)
@@ -494,11 +675,13 @@ class Fetcher:
             self._requeue(f)
 
     def _requeue(self, f: Fetch) -> None:
-        if self._fetches.get(f.key) is f and f.entry.state != QUEUED:
+        live = self._fetches.get(f.key) is f or self._direct.get(f.key) is f
+        if live and f.entry.state != QUEUED:
+            self._assign(f, f.entry)  # a member may have gone down or come back meanwhile
             self.queue.requeue(f.entry)
             self._pump()
 
     def stats(self) -> dict[str, object]:
         return {"requests": self.queue.active, "queued": self.queue.queued,
                 "inflight_bytes": self.queue.inflight_bytes,
-                "writing": len(self._writing)}
+                "writing": len(self._writing), "borrowed_bytes": self.borrowed_bytes}

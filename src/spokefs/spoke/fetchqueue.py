@@ -7,7 +7,8 @@ docs/protocol.md), so a small file costs neither a round trip nor an HTTP exchan
 The rules, in the order they apply:
 
 - at most ``max_requests`` requests are out; a demand block always takes a free one;
-- a batch is made of the head of the queue and the next entries of the same dataset and the
+- a batch is made of the head of the queue and the next entries of the same dataset, the
+  same route (the upstream, or one tier member: ``route``, None for the upstream) and the
   same kind (demand with demand, prefetch with prefetch), up to ``max_blocks`` blocks and
   ``max_bytes`` bytes;
 - prefetch is held to a window: a prefetch batch may go only while less than
@@ -27,6 +28,7 @@ from __future__ import annotations
 import heapq
 import itertools
 from collections.abc import Hashable
+from typing import Any
 
 QUEUED, TAKEN, GONE = 0, 1, 2
 
@@ -34,24 +36,28 @@ QUEUED, TAKEN, GONE = 0, 1, 2
 class Entry:
     """A block waiting for, or on, a request."""
 
-    __slots__ = ("group", "key", "priority", "size", "state")
+    __slots__ = ("data", "group", "key", "priority", "route", "size", "state")
 
-    def __init__(self, key: Hashable, group: str, priority: int, size: int) -> None:
+    def __init__(self, key: Hashable, group: str, priority: int, size: int,
+                 route: str | None = None) -> None:
         self.key = key
         self.group = group
         self.priority = priority
         self.size = size
         self.state = QUEUED
+        self.route = route  # where the block is asked for: None, the upstream; else a member
+        self.data: Any = None  # the caller's own (the fetcher's Fetch)
 
 
 class Batch:
     """One request's blocks; ``outstanding`` counts their bytes not yet received."""
 
-    __slots__ = ("entries", "group", "outstanding", "prefetch", "size")
+    __slots__ = ("entries", "group", "outstanding", "prefetch", "route", "size")
 
     def __init__(self, entries: list[Entry], prefetch: bool) -> None:
         self.entries = entries
         self.group = entries[0].group
+        self.route = entries[0].route
         self.prefetch = prefetch
         self.size = sum(e.size for e in entries)
         self.outstanding = self.size
@@ -76,8 +82,9 @@ class FetchQueue:
         self._queued = 0
 
     # -- entries -------------------------------------------------------------------------------
-    def add(self, key: Hashable, group: str, priority: int, size: int) -> Entry:
-        e = Entry(key, group, priority, size)
+    def add(self, key: Hashable, group: str, priority: int, size: int,
+            route: str | None = None) -> Entry:
+        e = Entry(key, group, priority, size, route)
         heapq.heappush(self._heap, (priority, next(self._seq), e))
         self._queued += 1
         return e
@@ -148,9 +155,9 @@ class FetchQueue:
                 continue
             if (priority > 0) != prefetch:
                 break  # demand and prefetch never share a request
-            if e.group != head.group:
+            if e.group != head.group or e.route != head.route:
                 if len(aside) >= self.max_blocks:
-                    break  # another dataset's turn comes with its own head
+                    break  # another dataset's (or route's) turn comes with its own head
                 aside.append(heapq.heappop(self._heap))
                 continue
             if entries and total + e.size > cap:

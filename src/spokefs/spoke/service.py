@@ -39,6 +39,7 @@ from spokefs.cache.feed import ResidencyFeed
 from spokefs.cache.store import BlockStore, Loc, read_loc
 from spokefs.errors import (
     BadRequest,
+    ConfigError,
     NotFound,
     SpokeError,
     Transient,
@@ -55,6 +56,7 @@ from spokefs.spoke.fetcher import Block, Fetcher
 from spokefs.spoke.jobsignal import JobSignal
 from spokefs.spoke.metrics import JobMetrics, SpokeMetrics
 from spokefs.spoke.prefetch import PrefetchDriver
+from spokefs.spoke.tier import PEER_REQUEST, Tier, make_lookup
 from spokefs.tasks import Tasks
 from spokefs.units import format_size
 from spokefs.wire.backend import (
@@ -72,6 +74,7 @@ log = logging.getLogger(__name__)
 
 DEMAND = 0  # priority of a block a reader is waiting for
 WARM = 1 << 20  # operator warm-up: behind demand and the planner's prefetches
+PEER_PREFETCH = 1 << 10  # another tier member's prefetch: behind demand, before warm-ups
 CHECK_IN_THREAD = 1 << 20  # a read this large is checked off the event loop
 
 
@@ -104,10 +107,32 @@ class SpokeConfig:
     tls_cert: str | None = None     # serve https (with tls_key)
     tls_key: str | None = None
     audit_log: str | None = None    # the primary's audit file; replica N's is FILE.worker-N
+    # A spoke tier (spoke.tier): static members (URL,URL,...), or a DNS name, or a Kubernetes
+    # Service whose members are listed; ``advertise`` is this member's own URL among them.
+    tier: str | None = None
+    tier_dns: str | None = None
+    tier_kubernetes: str | None = None
+    advertise: str | None = None
+    tier_timeout: float = 10.0      # a member silent this long is skipped for the next one
+    tier_refresh: float = 10.0      # how often a DNS or Kubernetes member list is read again
+    tier_token_file: str | None = None  # the token presented to members (default: upstream's)
+    tier_borrow: int = 128 << 20    # blocks got from other members, held in memory only
 
     def tls(self) -> tuple[Path, Path] | None:
         return (Path(self.tls_cert), Path(self.tls_key)) if self.tls_cert and self.tls_key \
             else None
+
+    def tiered(self) -> bool:
+        return bool(self.tier or self.tier_dns or self.tier_kubernetes)
+
+    def tier_token(self) -> str | None:
+        """The token this member presents to the other members (their --auth must hold it):
+        --tier-token-file's, else its upstream token."""
+        if self.tier_token_file is None:
+            return self.upstream_token()
+        from spokefs.wire.auth import read_token_file
+
+        return read_token_file(Path(self.tier_token_file))
 
     def upstream_token(self) -> str | None:
         """The token this spoke presents upstream: its own, never a client's."""
@@ -150,10 +175,14 @@ class SpokeBackend:
         self.link = LinkModel(max_window=config.prefetch_inflight) if config.pacing else None
         self.tasks = Tasks(on_failure=lambda name: self.metrics.task_failures.labels(
             name).inc())
+        self.tier = _make_tier(config, self.registry) if config.tiered() else None
         self.fetcher = Fetcher(config.upstream, self.store, self.metrics,
                                spawn=lambda c: self.tasks.spawn(c, "fetch"),
                                max_requests=config.max_inflight, deadline=config.deadline,
-                               link=self.link, finished=self._fetch_finished, token=token)
+                               link=self.link, finished=self._fetch_finished, token=token,
+                               tier=self.tier)
+        # What this spoke (and, in a tier, its members) holds: residency and the planner.
+        self.held = _Held(self.store, self.fetcher)
         self.fetcher.expected_size = self._expected_size
         # Checks of large reads run here, off the event loop (xxhash and pread release the GIL)
         self._checker = ThreadPoolExecutor(2, thread_name_prefix="spokefs-check")
@@ -209,11 +238,15 @@ class SpokeBackend:
             self.tasks.keep(self._retire_loop, "retire-stale")
         self.audit.watch_store(self.store, self.tasks)  # after the callbacks above: it chains
         self.tasks.keep(LoopLag(self.registry).run, "loop-lag")
+        if self.tier is not None:
+            self.tasks.keep(self.tier.probe_loop, "tier-probes")
+            if self.tier.lookup is not None:
+                self.tasks.keep(self.tier.refresh_loop, "tier-members")
         if self.config.prefetch:
             planner = Planner(capacity=self.store.capacity,
                               max_inflight_bytes=self.config.prefetch_inflight,
                               readahead_max_bytes=self.config.readahead_max,
-                              resident=self.store)
+                              resident=self.held)
             self.prefetch = PrefetchDriver(planner, self.store, self._prefetch,
                                            self.fetcher.cancel, self._latest_manifest)
             self.tasks.spawn(self.prefetch.restore(), "restore-working-sets")
@@ -526,19 +559,27 @@ class SpokeBackend:
         return block.view[lo:hi]
 
     async def read_blocks(self, name: str, blocks: list[tuple[str, int]]) -> list[BlockPart]:
-        """Whole blocks for a downstream spoke (a batch read): fetched first where missing."""
-        futs = {key: self.fetcher.want(name, key, DEMAND) for key in blocks
+        """Whole blocks for a downstream spoke (a batch read): fetched first where missing.
+        From another tier member (``X-Spokefs-Peer``): from the cache or the upstream only,
+        at the member's priority."""
+        peer = PEER_REQUEST.get()
+        direct = peer is not None
+        prio = PEER_PREFETCH if peer == "prefetch" else DEMAND
+        futs = {key: self.fetcher.want(name, key, prio, direct) for key in blocks
                 if key not in self.store and self.fetcher.recent(key) is None}
         parts = []
         for key in blocks:
             try:
-                parts.append(await self._whole_block(name, key, futs.get(key)))
+                parts.append(await self._whole_block(name, key, futs.get(key), direct))
             except SpokeError as exc:
                 parts.append(BlockPart.error(exc))
+        if direct and self.tier is not None:
+            self.tier.metrics.served.inc(sum(p.length for p in parts if p.status == 200))
         return parts
 
     async def _whole_block(self, name: str, key: BlockKey,
-                           fut: asyncio.Future[Block] | None) -> BlockPart:
+                           fut: asyncio.Future[Block] | None,
+                           direct: bool = False) -> BlockPart:
         what = f"block {key[1]} of {key[0]} ({name})"
         for _ in range(3):
             if fut is None:
@@ -554,7 +595,7 @@ class SpokeBackend:
                     self._count(name, 1, 0)
                     return BlockPart(200, await self._fetched(key, block, 0, block.size),
                                      block.object_size, block.digest)
-                fut = self.fetcher.want(name, key, DEMAND)
+                fut = self.fetcher.want(name, key, DEMAND, direct)
             self._count(name, 0, 1)
             block = await self._wait_fetch(fut, what)
             return BlockPart(200, await self._fetched(key, block, 0, block.size),
@@ -568,7 +609,7 @@ class SpokeBackend:
         link keeps sending, so it only makes readers slower."""
         began = time.monotonic()
         while True:
-            silent_since = max(began, self.fetcher.client.last_received)
+            silent_since = max(began, self.fetcher.last_received)
             left = silent_since + self.config.deadline - time.monotonic()
             if left <= 0:
                 cause = self.fetcher.last_error or "no answer (connections stalled)"
@@ -857,7 +898,7 @@ class SpokeBackend:
         slices, letting other requests run between them (the index is the loop's to read)."""
         bs = m.block_size
         total = resident = full = 0
-        store = self.store
+        store = self.held  # in a tier, blocks other members were seen to hold count too
         for n, i in enumerate(files):
             if n and n % self.RESIDENCY_SLICE == 0:
                 await asyncio.sleep(0)
@@ -1012,6 +1053,7 @@ class SpokeBackend:
             "prefetch": self.prefetch.stats() if self.prefetch is not None else None,
             "jobs": self.jobs.describe(time.monotonic()),
             "stale": self._stale_status(),
+            "tier": self.tier.status() if self.tier is not None else None,
         }
 
     def _stale_status(self) -> dict[str, object]:
@@ -1023,6 +1065,36 @@ class SpokeBackend:
                 in_use.setdefault(ds, []).append(snap)
         return {"after_s": self.config.stale_after, "passes": self._retire_passes,
                 "snapshots_in_use": in_use}
+
+
+class _Held:
+    """Blocks the spoke holds: its cache, and in a tier the blocks other members delivered
+    (held in memory a while, and by their owner): what the planner need not fetch again
+    and what residency counts."""
+
+    def __init__(self, store: BlockStore, fetcher: Fetcher) -> None:
+        self.store = store
+        self.fetcher = fetcher
+
+    def __contains__(self, key: object) -> bool:
+        if key in self.store:
+            return True
+        tier = self.fetcher.tier
+        return tier is not None and (key in self.fetcher.borrowed or key in tier.delivered)
+
+
+def _make_tier(config: SpokeConfig, registry: CollectorRegistry) -> Tier:
+    from spokefs.tier.sources import parse_static
+
+    if config.advertise is None:
+        raise ConfigError("a spoke tier needs --advertise URL (this member's URL as the "
+                          "others name it)")
+    members = parse_static(config.tier) if config.tier else [config.advertise]
+    lookup, source = make_lookup(config.tier_dns, config.tier_kubernetes, config.advertise)
+    return Tier(config.advertise, members, registry, token=config.tier_token(),
+                timeout=config.tier_timeout, lookup=lookup, source=source,
+                refresh=config.tier_refresh, borrow_bytes=config.tier_borrow,
+                max_connections=config.max_inflight)
 
 
 _scratch = threading.local()

@@ -11,3 +11,6 @@ H_JOB = "X-Spokefs-Job"        # names the training job, for announced orders an
 # Whose request a replica worker forwards to its primary (over the Unix socket only).
 H_AUTH_NAME = "X-Spokefs-Auth-Name"
 H_AUTH_ADMIN = "X-Spokefs-Auth-Admin"
+# On a batch read from one tier member to another (``demand`` or ``prefetch``): the answering
+# member serves it from its cache or its upstream, never from another member (no loops).
+H_PEER = "X-Spokefs-Peer"

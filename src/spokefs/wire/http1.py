@@ -299,13 +299,16 @@ class DataClient:
     """Ranged GETs and batch reads over a pool of kept-alive connections to one upstream.
 
     ``idle_timeout``: a request whose connection brings no byte for this long fails
-    (``Transient``): a stalled link must not hold a slot forever. A request's ``progress(n)``
-    hears each piece of its body as it arrives (the spoke's link model counts them).
+    (``Transient``): a stalled link must not hold a slot forever. With ``idle_any``, only
+    while no connection of the pool brings a byte (a server that answers a batch once all of
+    it is ready, and is answering other requests meanwhile, is busy, not gone: tier members).
+    A request's ``progress(n)`` hears each piece of its body as it arrives (the spoke's link
+    model counts them).
     """
 
     def __init__(self, base_url: str, max_connections: int = 64,
                  idle_timeout: float = 60.0, connect_timeout: float = 10.0,
-                 token: str | object | None = FROM_ENV) -> None:
+                 token: str | object | None = FROM_ENV, idle_any: bool = False) -> None:
         u = urlsplit(base_url)
         if u.scheme not in ("http", "https") or not u.hostname:
             raise ValueError(f"the data client needs an http(s):// URL, not {base_url!r}")
@@ -319,6 +322,7 @@ class DataClient:
         # Sent with every request (spokefs.wire.auth); never logged.
         self._auth = f"Authorization: Bearer {tok}\r\n" if tok else ""
         self.idle_timeout = idle_timeout
+        self.idle_any = idle_any
         self.connect_timeout = connect_timeout
         self.max_connections = max_connections
         # time.monotonic() of the last bytes from the upstream: tells a slow link (bytes keep
@@ -358,13 +362,15 @@ class DataClient:
     async def read_blocks(self, path: str, body: bytes,
                           begin: Callable[[FrameHeader], memoryview | None],
                           end: Callable[[FrameHeader, memoryview], None],
-                          progress: Callable[[int], None] | None = None) -> int:
+                          progress: Callable[[int], None] | None = None,
+                          headers: dict[str, str] | None = None) -> int:
         """POST a batch read; frames go to ``begin``/``end`` (see ``FrameReader``) as they
         arrive. Returns the number of frames. A cut stream raises ``Transient`` after every
         whole frame before the cut was delivered."""
+        extra = "".join(f"{k}: {v}\r\n" for k, v in (headers or {}).items())
         request = (f"POST {self.prefix}{path} HTTP/1.1\r\nHost: {self._host_header}\r\n"
                    f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n"
-                   f"{self._auth}"
+                   f"{extra}{self._auth}"
                    "Accept-Encoding: identity\r\n\r\n").encode() + body
         readers: list[FrameReader] = []
 
@@ -414,7 +420,9 @@ class DataClient:
         """The response, unless the connection stays silent for ``idle_timeout``."""
         conn.last_received = time.monotonic()
         while True:
-            left = conn.last_received + self.idle_timeout - time.monotonic()
+            heard = max(conn.last_received, self.last_received) if self.idle_any \
+                else conn.last_received
+            left = heard + self.idle_timeout - time.monotonic()
             if left <= 0:
                 conn.abort()
                 raise Transient(f"no byte from upstream for {self.idle_timeout:g}s ({what})")

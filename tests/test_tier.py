@@ -1,0 +1,411 @@
+"""The spoke tier's data path: each block's route (no sockets), then three real spokes sharing
+one cache behind one emulated WAN: the dataset crosses it once for all three, a member killed
+mid-epoch costs readers through the others nothing, and it comes back on its own cache."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import re
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+import urllib.request
+from collections.abc import Callable, Iterator
+from contextlib import ExitStack
+from pathlib import Path
+
+import pytest
+import urllib3
+
+from servers import ServerProcess, hub, make_dataset, spoke
+from spokefs.errors import ConfigError
+from spokefs.spoke.tier import UPSTREAM_KEEP, Route, TierRouter
+from spokefs.tier.membership import State
+from spokefs.tier.rendezvous import Rendezvous
+
+A, B, C = "http://a:1", "http://b:1", "http://c:1"
+
+
+# -- routing, no sockets ------------------------------------------------------------------------
+def keys(n: int) -> list[tuple[str, int]]:
+    return [(f"{i:032x}", i % 7) for i in range(n)]
+
+
+def test_a_block_goes_to_its_owner_and_only_the_owner_fetches_upstream() -> None:
+    routers = {m: TierRouter(m, [A, B, C], 0.0) for m in (A, B, C)}
+    counts = dict.fromkeys((A, B, C), 0)
+    for key in keys(3000):
+        owner = routers[A].owner(key)
+        counts[owner] += 1
+        for me, r in routers.items():
+            assert r.owner(key) == owner  # every member computes the same owner
+            route = r.route(key, 0.0)
+            # the owner fetches from the upstream and keeps; the others ask it, keep nothing
+            assert route == (UPSTREAM_KEEP if me == owner else Route(owner, False))
+    assert all(800 < n < 1200 for n in counts.values()), counts
+
+
+def test_a_member_that_fails_is_skipped_for_the_next_one_then_the_upstream() -> None:
+    r = TierRouter(A, [A, B, C], 0.0, down_failures=2, retry_after=1.0)
+    key = next(k for k in keys(500) if Rendezvous([A, B, C]).ranked(*k) == [B, C, A])
+    assert r.route(key, 0.0) == Route(B, False)
+    # A request that failed on B goes to the next member at once (tried), still unkept.
+    assert r.route(key, 0.0, tried={B}) == Route(C, False)
+    # ... and when every member before this one failed, this one fetches and keeps.
+    assert r.route(key, 0.0, tried={B, C}) == UPSTREAM_KEEP
+    # B fails twice: down, skipped by every request until it answers a probe.
+    r.failed(B, 1.0)
+    assert r.state(B, 1.0) is State.SUSPECT and r.route(key, 1.0) == Route(B, False)
+    r.failed(B, 1.1)
+    assert r.state(B, 1.1) is State.DOWN and r.route(key, 1.2) == Route(C, False)
+    assert r.membership.probes_due(2.2) == [B]
+    r.answered(B, 2.3)  # back: its share is its own again, nothing moved meanwhile
+    assert r.route(key, 2.3) == Route(B, False)
+
+
+def test_a_member_asked_by_another_never_asks_a_third() -> None:
+    """No loops: a marked (direct) request is served from the cache or the upstream, even
+    when this member thinks another one owns the block (membership disagreement)."""
+    r = TierRouter(A, [A, B, C], 0.0)
+    for key in keys(300):
+        assert r.route(key, 0.0, direct=True) == UPSTREAM_KEEP
+
+
+def test_members_joining_move_only_their_share() -> None:
+    r = TierRouter(A, [A, B, C], 0.0)
+    before = {k: r.owner(k) for k in keys(4000)}
+    r.update([A, B, C, "http://d:1"], 0.0)
+    moved = [k for k, o in before.items() if r.owner(k) != o]
+    assert all(r.owner(k) == "http://d:1" for k in moved)
+    assert 0.2 < len(moved) / len(before) < 0.3  # ~1/4
+    assert r.shares()["http://d:1"] == pytest.approx(0.25)
+
+
+def test_a_member_always_counts_itself() -> None:
+    r = TierRouter(A, [B, C], 0.0)
+    assert A in r.members
+    with pytest.raises(ConfigError):
+        TierRouter("ftp://x", [A], 0.0)
+
+
+# -- three spokes on loopback -----------------------------------------------------------------
+http = urllib3.PoolManager(retries=False, maxsize=16, timeout=60)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def wait_until(what: str, cond: Callable[[], bool], timeout: float = 60.0) -> None:
+    end = time.monotonic() + timeout
+    while not cond():
+        assert time.monotonic() < end, f"timed out waiting for {what}"
+        time.sleep(0.05)
+
+
+def metric(base: str, name: str, **labels: str) -> float:
+    text = http.request("GET", f"{base}/metrics").data.decode()
+    total = 0.0
+    for line in text.splitlines():
+        m = re.match(rf"^{name}(?:{{([^}}]*)}})? (\S+)$", line)
+        if m and all(f'{k}="{v}"' in (m.group(1) or "") for k, v in labels.items()):
+            total += float(m.group(2))
+    return total
+
+
+def status(base: str) -> dict:
+    return json.loads(http.request("GET", f"{base}/v1/status").data)
+
+
+class Wan:
+    def __init__(self, control: str) -> None:
+        self.control = control.rstrip("/")
+
+    def _call(self, method: str, path: str) -> dict:
+        req = urllib.request.Request(self.control + path, method=method,
+                                     data=b"{}" if method == "POST" else None)
+        with urllib.request.urlopen(req, timeout=10) as resp:
+            return dict(json.loads(resp.read()))
+
+    def reset(self) -> None:
+        self._call("POST", "/reset-counters")
+
+    def bytes_down(self) -> int:
+        return int(self._call("GET", "/status")["bytes_down"])
+
+
+def files_of(dataset: Path) -> list[tuple[str, bytes]]:
+    return [(p.relative_to(dataset).as_posix(), p.read_bytes())
+            for p in sorted(dataset.rglob("*")) if p.is_file()]
+
+
+def read_epoch(base: str, files: list[tuple[str, bytes]], errors: list[str],
+               halfway: threading.Event | None = None,
+               resume: threading.Event | None = None) -> int:
+    """Read every file through ``base`` and compare; errors are collected, not raised (a
+    reader thread). With ``halfway``/``resume``: signal after half, wait, read the rest."""
+    n = 0
+    for i, (rel, data) in enumerate(files):
+        if halfway is not None and resume is not None and i == len(files) // 2:
+            halfway.set()
+            resume.wait(120)
+        try:
+            r = http.request("GET", f"{base}/ds/{rel}")
+        except Exception as exc:  # reported, with the file
+            errors.append(f"{base} {rel}: {exc!r}")
+            continue
+        if r.status != 200 or r.data != data:
+            errors.append(f"{base} {rel}: status {r.status}, "
+                          f"{'wrong bytes' if r.status == 200 else r.data[:200]!r}")
+        n += len(r.data)
+    return n
+
+
+def in_threads(*jobs: Callable[[], object]) -> None:
+    threads = [threading.Thread(target=j) for j in jobs]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(300)
+        assert not t.is_alive(), "a reader hung"
+
+
+@pytest.fixture
+def tier3(tmp_path: Path) -> Iterator[tuple[Path, Wan, list[str], Callable[[int], ServerProcess]]]:
+    """A hub behind one emulated WAN, and three spokes with --tier of each other."""
+    ds = make_dataset(tmp_path / "ds", n_small=90, small_size=60_000,
+                      big_sizes=(9_000_000, 5_000_000))
+    ports = [free_port() for _ in range(3)]
+    urls = [f"http://127.0.0.1:{p}" for p in ports]
+    with ExitStack() as stack:
+        h = stack.enter_context(hub(ds, tmp_path / "hubstate"))
+        wan = stack.enter_context(ServerProcess(
+            "wan", "--upstream", h.hostport, "--rtt", "20ms", "--bandwidth", "200MB/s"))
+
+        def make(i: int) -> ServerProcess:
+            return spoke(wan.url, tmp_path / f"cache{i}", "1GiB", "--port", str(ports[i]),
+                         "--workers", "1", "--deadline", "20s", "--tier", ",".join(urls),
+                         "--tier-timeout", "3s", "--tier-borrow", "1MiB")
+
+        spokes = [make(i) for i in range(3)]
+        for s in spokes:
+            s.start()
+            stack.callback(lambda s=s: s.stop())
+        yield ds, Wan(wan.control), urls, lambda i: spokes[i]
+
+
+def test_three_spokes_share_one_copy_and_survive_a_member(tier3) -> None:
+    ds, wan, urls, member = tier3
+    files = files_of(ds)
+    total = sum(len(d) for _, d in files)
+    a, b, c = urls
+
+    # status shows the tier: three members, up, a third of the keys each, this one marked.
+    st = status(a)["tier"]
+    assert st["self"] == a and [m["url"] for m in st["members"]] == sorted(urls)
+    assert all(m["state"] == "up" and m["share"] == pytest.approx(1 / 3)
+               for m in st["members"])
+    out = subprocess.run([sys.executable, "-m", "spokefs.cli", "status", a], check=True,
+                         capture_output=True, text=True).stdout
+    assert "3 members (static)" in out and f"{a}" in out and "(this member)" in out, out
+
+    # 1. A cold epoch through all three at once: the dataset crosses the WAN once.
+    wan.reset()
+    errors: list[str] = []
+    in_threads(*(lambda u=u: read_epoch(u, files, errors) for u in urls))
+    assert errors == [], (errors[:3], [member(i).tail(80) for i in range(3)])
+    cold = wan.bytes_down()
+    assert total <= cold <= 1.02 * total, (cold, total)
+    for u in urls:  # every member got blocks from the others, and counted them
+        assert metric(u, "spokefs_tier_peer_blocks_total") > 0
+        assert metric(u, "spokefs_tier_served_bytes_total") > 0
+    # each member keeps only its own share on disk (a third, give or take the big files)
+    wait_until("every block written", lambda: sum(
+        status(u)["cache"]["data_bytes"] for u in urls) >= total)
+    held = [status(u)["cache"]["data_bytes"] for u in urls]
+    assert sum(held) == total and all(n > 0 for n in held), held  # one copy, spread
+
+    # 2. A warm epoch through A and C; B is killed (SIGKILL) halfway through it.
+    errors = []
+    halfway = [threading.Event(), threading.Event()]
+    resume = threading.Event()
+
+    def reader(u: str, i: int) -> Callable[[], object]:
+        return lambda: read_epoch(u, files, errors, halfway[i], resume)
+
+    t = threading.Thread(target=in_threads, args=(reader(a, 0), reader(c, 1)))
+    t.start()
+    for ev in halfway:
+        assert ev.wait(120)
+    member(1).kill()
+    resume.set()
+    t.join(300)
+    assert errors == [], errors[:5]
+    wait_until("A to see B down", lambda: any(
+        m["url"] == b and m["state"] == "down" for m in status(a)["tier"]["members"]))
+    assert metric(a, "spokefs_tier_peer_requests_total", peer=b, outcome="failed") > 0
+
+    # 3. B comes back on the same port and cache; A and C find it (probes) and it takes its
+    # share again from the cache it kept: an epoch through all three moves ~nothing more.
+    member(1).start()
+    for u in (a, c):
+        wait_until(f"{u} to see B up", lambda u=u: any(
+            m["url"] == b and m["state"] == "up" for m in status(u)["tier"]["members"]))
+    wan.reset()
+    served = metric(b, "spokefs_tier_served_bytes_total")
+    errors = []
+    in_threads(*(lambda u=u: read_epoch(u, files, errors) for u in urls))
+    assert errors == []
+    assert wan.bytes_down() < 0.02 * total, wan.bytes_down()
+    assert metric(b, "spokefs_tier_served_bytes_total") > served  # its share, from its cache
+    assert metric(b, "spokefs_upstream_bytes_total") == 0
+
+
+def post(base: str, path: str, doc: dict) -> dict:
+    r = http.request("POST", f"{base}{path}", body=json.dumps(doc).encode(),
+                     headers={"Content-Type": "application/json"})
+    assert r.status in (200, 202), r.data[:300]
+    return json.loads(r.data)
+
+
+def test_a_warm_up_through_one_member_fills_every_owner(tier3) -> None:
+    """A warm-up (and so an announced order or the planner's prefetch, which take the same
+    path) through one member fetches each block through its owner, which keeps it: one copy
+    over the WAN, each member holding its share, and reads through any member then move
+    nothing more over the WAN."""
+    ds, wan, urls, _ = tier3
+    files = files_of(ds)
+    total = sum(len(d) for _, d in files)
+    a, _, c = urls
+    wan.reset()
+    post(a, "/v1/datasets/ds/warm", {"prefix": ""})
+    wait_until("the warm-up through A to be resident", lambda: post(
+        a, "/v1/datasets/ds/residency", {"prefix": ""})["fraction"] == 1.0)
+    wait_until("every block written", lambda: sum(
+        status(u)["cache"]["data_bytes"] for u in urls) >= total)
+    assert total <= wan.bytes_down() <= 1.02 * total
+    held = [status(u)["cache"]["data_bytes"] for u in urls]
+    assert sum(held) == total and all(n > 0 for n in held), held
+    wan.reset()
+    fetched = metric(c, "spokefs_upstream_bytes_total")  # its own share, for A's warm-up
+    errors: list[str] = []
+    read_epoch(c, files, errors)
+    assert errors == []
+    assert wan.bytes_down() < 0.02 * total
+    assert metric(c, "spokefs_upstream_bytes_total") == fetched
+    # The member mark is one of two words; anything else is refused, not taken for a reader.
+    r = http.request("POST", f"{a}/v1/datasets/ds/blocks", body=b'{"blocks": [["x", 0]]}',
+                     headers={"Content-Type": "application/json", "X-Spokefs-Peer": "loop"})
+    assert r.status == 400 and b"X-Spokefs-Peer" in r.data
+
+
+# -- the I/O shell around the router, without sockets --------------------------------------------
+def test_a_refreshed_member_list_moves_shares_and_a_failed_look_up_keeps_the_last() -> None:
+    from prometheus_client import CollectorRegistry
+
+    from spokefs.spoke.tier import Tier
+
+    answers: list[list[str] | Exception] = [[A, B], OSError("no DNS"), [A, C]]
+    seen: list[list[str]] = []
+
+    def lookup() -> list[str]:
+        a = answers.pop(0) if answers else [A, C]
+        if isinstance(a, Exception):
+            raise a
+        return a
+
+    async def main() -> None:
+        tier = Tier(A, [A], CollectorRegistry(), token=None, lookup=lookup, source="dns",
+                    refresh=0.01)
+        tier.client(B)  # a member client, closed when B leaves the list
+        task = asyncio.create_task(tier.refresh_loop())
+        for _ in range(500):
+            seen.append(tier.router.members)
+            if not answers and tier.router.members == [A, C]:
+                break
+            await asyncio.sleep(0.01)
+        task.cancel()
+        assert tier.router.members == [A, C] and B not in tier._clients
+        st = tier.status()
+        assert st["source"] == "dns" and st["refresh_error"] is None
+        await tier.close()
+
+    asyncio.run(main())
+    assert [A, B] in seen  # the failed look-up in between kept [A, B], never an empty list
+    assert all(m for m in seen)
+
+
+def test_tier_options_are_checked() -> None:
+    import argparse
+
+    from spokefs.spoke.tierargs import add_tier_arguments, tier_config
+
+    p = argparse.ArgumentParser()
+    add_tier_arguments(p)
+    assert tier_config(p.parse_args([]), "127.0.0.1", 8471, False) == {}
+    with pytest.raises(ConfigError, match="--advertise"):
+        tier_config(p.parse_args(["--tier", f"{A},{B}"]), "0.0.0.0", 8471, False)
+    with pytest.raises(ConfigError, match="--advertise"):
+        tier_config(p.parse_args(["--tier", f"{A},{B}"]), "127.0.0.1", 0, False)
+    with pytest.raises(ConfigError, match="names this member of a tier"):
+        tier_config(p.parse_args(["--advertise", A]), "127.0.0.1", 1, False)
+    cfg = tier_config(p.parse_args(["--tier", "http://127.0.0.1:1,http://127.0.0.1:2"]),
+                      "127.0.0.1", 2, False)
+    assert cfg["advertise"] == "http://127.0.0.1:2" and cfg["tier_timeout"] == 10.0
+    with pytest.raises(SystemExit):  # one source at a time
+        p.parse_args(["--tier", A, "--tier-dns", "x"])
+
+
+@pytest.mark.parametrize("flags", [
+    ["--tier-kubernetes=train-spokefs-spoke-headless",
+     "--advertise=http://train-spokefs-spoke-0.train-spokefs-spoke-headless.ml.svc"
+     ".cluster.local:8471"],
+    ["--tier-dns=train-spokefs-spoke-headless.ml.svc.cluster.local",
+     "--advertise=http://10.1.2.3:8471"],
+])
+def test_the_flags_the_helm_chart_passes_are_accepted(flags: list[str]) -> None:
+    """What deploy/helm/spokefs passes a member (tests/test_helm_chart.py checks the chart
+    renders them; the kubelet fills in $(POD_NAME) and the like)."""
+    from spokefs.cli import build_parser
+    from spokefs.spoke.tierargs import tier_config
+
+    args = build_parser().parse_args(
+        ["spoke", "serve", "--upstream=http://train-spokefs-hub.ml.svc.cluster.local:8470",
+         "--cache-dir=/var/cache/spokefs", "--cache-size=100GiB", "--host=0.0.0.0",
+         "--port=8471", *flags])
+    cfg = tier_config(args, args.host, args.port, False)
+    assert cfg["advertise"] == flags[1].split("=", 1)[1]
+    assert (cfg["tier_kubernetes"] or cfg["tier_dns"]) == flags[0].split("=", 1)[1]
+
+
+def test_a_member_that_goes_silent_is_skipped_within_the_deadline(tier3) -> None:
+    """A member that accepts connections and answers nothing (SIGSTOP) is timed out after
+    --tier-timeout (3 s here, under the 20 s deadline): its blocks go to the next member,
+    readers see no error, and it is probed back once it answers again."""
+    ds, _wan, urls, member = tier3
+    files = files_of(ds)
+    a, b, _ = urls
+    errors: list[str] = []
+    read_epoch(a, files, errors)  # every owner holds its share
+    assert errors == []
+    proc = member(1).proc
+    assert proc is not None
+    proc.send_signal(signal.SIGSTOP)
+    try:
+        began = time.monotonic()
+        read_epoch(a, files, errors)
+        took = time.monotonic() - began
+        assert errors == [], errors[:3]
+        assert took < 20.0  # well within the deadline: B was skipped, not waited out
+        assert metric(a, "spokefs_tier_peer_requests_total", peer=b, outcome="timed_out") > 0
+        assert any(m["url"] == b and m["state"] == "down" for m in status(a)["tier"]["members"])
+    finally:
+        proc.send_signal(signal.SIGCONT)
+    wait_until("A to see B up again", lambda: any(
+        m["url"] == b and m["state"] == "up" for m in status(a)["tier"]["members"]))
