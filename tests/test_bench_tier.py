@@ -25,4 +25,4 @@ def test_bench_tier_tiny(tmp_path: Path) -> None:
         assert {"spokes", "wan_bytes_ratio", "cold_epoch_s", "warm_epoch_s"} <= set(r)
         assert r["wrong_files"] == 0
         assert 1.0 <= r["wan_bytes_ratio"] <= 1.1  # one copy over the WAN, whatever the count
-        assert r["cold_epoch_s"] > 0 and r["warm_epoch_s"] > 0
+        assert r["cold_epoch_s"] > 0 and r["warm_epoch_s"] > 0 and r["warm_alone_epoch_s"] > 0
