@@ -143,3 +143,16 @@ def test_killing_the_spoke_kills_its_workers(hub_server, tmp_path: Path) -> None
                    for p in pids)
 
     wait_for(gone, 10, "the workers to die with their supervisor")
+
+
+def test_a_deep_cache_folder_serves_with_workers(hub_server, dataset: Path, tmp_path: Path
+                                                 ) -> None:
+    """The workers' unix sockets live in the cache folder; one deeper than a socket path
+    may be long (108 bytes) still works (the kernel is given a short alias of the path)."""
+    deep = tmp_path / ("d" * 60) / ("e" * 60) / "cache"
+    assert len(str(deep / "worker-1.sock")) > 108
+    with spoke(hub_server.url, deep, "256MiB", "--workers", "2") as s:
+        for p in sorted(dataset.rglob("*.jpg"))[:8]:
+            rel = p.relative_to(dataset).as_posix()
+            assert http.request("GET", f"{s.url}/ds/{rel}").data == p.read_bytes()
+        assert metric(s.url, "spokefs_served_bytes_total") > 0  # the replica reported too

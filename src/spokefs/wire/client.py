@@ -31,6 +31,7 @@ from spokefs.manifest import MAX_MANIFEST_BLOB, MAX_MANIFEST_BYTES, Manifest
 from spokefs.wire.auth import FROM_ENV, bearer, client_token
 from spokefs.wire.headers import H_DIGEST
 from spokefs.wire.tls import client_context, untrusted
+from spokefs.wire.unixpath import unix_address
 
 MAX_JSON_BYTES = 16 << 20
 _ERROR_BODY_BYTES = 1 << 20  # room for an error answer to a read of a few bytes
@@ -78,7 +79,8 @@ class UpstreamClient:
         if self._session is None:  # created lazily inside the running loop
             connector: aiohttp.BaseConnector
             if self.unix_socket is not None:
-                connector = aiohttp.UnixConnector(self.unix_socket, limit=self.max_connections,
+                connector = aiohttp.UnixConnector(unix_address(self.unix_socket),
+                                                  limit=self.max_connections,
                                                   keepalive_timeout=120)
             else:
                 connector = aiohttp.TCPConnector(

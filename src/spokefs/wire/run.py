@@ -17,6 +17,7 @@ from aiohttp import web
 
 from spokefs.wire.server import AUTH_KEY, RELOAD_KEY
 from spokefs.wire.tls import server_context
+from spokefs.wire.unixpath import unix_address
 
 # A connection that has not sent a whole request within this many seconds (a slow sender of
 # headers, or an idle keep-alive) is closed. aiohttp's default keeps one for an hour.
@@ -114,7 +115,7 @@ async def serve_forever(app: web.Application, host: str, port: int, role: str,
     if unix_path is not None:
         with contextlib.suppress(FileNotFoundError):
             os.unlink(unix_path)  # left by a process that was killed
-        await web.UnixSite(runner, unix_path).start()
+        await web.UnixSite(runner, unix_address(unix_path)).start()
     bound = site._server.sockets[0]  # type: ignore[union-attr]
     bound_host, bound_port = bound.getsockname()[:2]
     url = f"{'https' if tls else 'http'}://{bound_host}:{bound_port}"
