@@ -20,7 +20,10 @@ demo: $(STAMP)
 
 test: $(STAMP)
 	$(BIN)/ruff check src tests
-	$(BIN)/pytest -q -rs
+	# Two processes (each test file stays on one), then the tests that time things, alone:
+	# most tests wait on child processes and sockets, so two at once halve the wall time.
+	$(BIN)/pytest -q -rs -n 2 --dist loadfile -m "not timing"
+	$(BIN)/pytest -q -rs -m timing
 
 lint: $(STAMP)
 	$(BIN)/ruff check src tests

@@ -39,8 +39,8 @@ def test_race_without_matplotlib(tmp_path: Path) -> None:
 def test_training_bench_without_matplotlib(tmp_path: Path) -> None:
     code = (
         "from pathlib import Path\n"
-        "from spokefs.bench.training.loop import LoopConfig\n"
-        "from spokefs.bench.training.run import TrainConfig, run_train\n"
+        "from spokefs_bench.training.loop import LoopConfig\n"
+        "from spokefs_bench.training.run import TrainConfig, run_train\n"
         "out = Path(sys.argv[1])\n"
         "run_train(TrainConfig(out=out, scenarios=('local',), samples=16, sample_size=4096,\n"
         "    classes=2, loop=LoopConfig(epochs=1, batch_size=4, workers=0, compute_s=0.0),\n"

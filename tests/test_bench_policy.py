@@ -7,7 +7,7 @@ import argparse
 import json
 from pathlib import Path
 
-from spokefs.bench import policy as bench_policy
+from spokefs_bench import policy as bench_policy
 
 
 def run(out: Path, *extra: str) -> dict:

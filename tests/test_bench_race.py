@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from spokefs.bench import race
 from spokefs.mount.process import fuse_unusable
+from spokefs_bench import race
 
 
 def run(out: Path, *extra: str) -> dict:

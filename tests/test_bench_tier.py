@@ -7,7 +7,7 @@ import argparse
 import json
 from pathlib import Path
 
-from spokefs.bench import tier as bench_tier
+from spokefs_bench import tier as bench_tier
 
 
 def test_bench_tier_tiny(tmp_path: Path) -> None:

@@ -9,10 +9,10 @@ from pathlib import Path
 
 import pytest
 
-from spokefs.bench.training import metrics
-from spokefs.bench.training.datasets import DatasetSpec, ensure_dataset, sample_digest
-from spokefs.bench.training.loop import epoch_order
-from spokefs.bench.training.metrics import Batch
+from spokefs_bench.training import metrics
+from spokefs_bench.training.datasets import DatasetSpec, ensure_dataset, sample_digest
+from spokefs_bench.training.loop import epoch_order
+from spokefs_bench.training.metrics import Batch
 
 
 def timeline(waits: list[float], compute: float = 0.1, per_epoch: int | None = None,
@@ -137,8 +137,8 @@ REQUIRED = ["au", "au_steady", "samples_per_s_steady", "stall_batches", "warmup_
 
 @pytest.mark.slow
 def test_tiny_end_to_end_run(tmp_path: Path) -> None:
-    from spokefs.bench.training.loop import LoopConfig
-    from spokefs.bench.training.run import TrainConfig, run_train
+    from spokefs_bench.training.loop import LoopConfig
+    from spokefs_bench.training.run import TrainConfig, run_train
 
     out = tmp_path / "out"
     cfg = TrainConfig(out=out, scenarios=("local", "remote_spoke", "remote_direct"),
@@ -179,8 +179,8 @@ def test_tiny_run_on_an_s3_origin(tmp_path: Path) -> None:
     same figures, the origin recorded."""
     for module in ("boto3", "obstore", "moto"):
         pytest.importorskip(module)
-    from spokefs.bench.training.loop import LoopConfig
-    from spokefs.bench.training.run import TrainConfig, run_train
+    from spokefs_bench.training.loop import LoopConfig
+    from spokefs_bench.training.run import TrainConfig, run_train
 
     cfg = TrainConfig(out=tmp_path / "out", scenarios=("remote_spoke", "remote_direct"),
                       samples=24, sample_size=20_000, classes=3,

@@ -1,6 +1,6 @@
 """The chaos suite: faults injected into real hub, link, spoke and mount processes.
 
-Each test runs one case of ``spokefs bench chaos`` (src/spokefs/bench/chaos.py) at CI scale:
+Each test runs one case of ``spokefs bench chaos`` (src/spokefs_bench/chaos.py) at CI scale:
 its own processes, one fault, several readers, every byte compared with the source. The case
 records each check that failed; the test shows them with the services' last log lines.
 docs/reliability.md lists, per failure, what a reader sees and which setting bounds it.
@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import urllib3
 
-from spokefs.bench.chaos import CASES, Dataset, Lab, Result, Scale, run_case
+from spokefs_bench.chaos import CASES, Dataset, Lab, Result, Scale, run_case
 
 CI = Scale.ci()
 

@@ -29,10 +29,10 @@ import xxhash  # noqa: E402
 
 import spokefs  # noqa: E402
 from servers import ServerProcess, spoke  # noqa: E402
-from spokefs.bench.s3server import TEST_ENV, S3Server  # noqa: E402
 from spokefs.hub.bucket import key_paths  # noqa: E402
 from spokefs.origin.s3 import ObjectInfo, parse_bucket_url  # noqa: E402
 from spokefs.procs import StartError, cli  # noqa: E402
+from spokefs_bench.s3server import TEST_ENV, S3Server  # noqa: E402
 
 MiB = 1 << 20
 BS = MiB  # the tests' block size: small objects still span several blocks

@@ -24,9 +24,9 @@ pytest.importorskip("moto")
 
 import spokefs
 from servers import ServerProcess
-from spokefs.bench.s3server import S3Server
 from spokefs.mount.process import MountProcess, fuse_unusable
 from spokefs.procs import cli
+from spokefs_bench.s3server import S3Server
 from test_s3_origin import BS, get, hub_env, make_bucket, manifest, rnd
 
 FUSE_REASON = fuse_unusable()

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import importlib.util
 import logging
 import os
 import sys
@@ -16,15 +17,16 @@ from pathlib import Path
 from spokefs.errors import ConfigError, SpokeError
 from spokefs.logs import ENV_LOG_FORMAT, FORMATS, setup_logging
 
-# Module paths whose register(subparsers) adds subcommands, in --help order.
+# Module paths whose register(subparsers) adds subcommands, in --help order. The
+# spokefs_bench ones (benchmarks, demo) are a package beside this one: listed when present.
 COMMAND_MODULES = [
     "spokefs.hub.cli",
     "spokefs.spoke.cli",
     "spokefs.mount.cli",
     "spokefs.wan.cli",
     "spokefs.client.cli",
-    "spokefs.bench.cli",
-    "spokefs.demo",
+    "spokefs_bench.cli",
+    "spokefs_bench.demo",
 ]
 
 
@@ -53,6 +55,8 @@ def build_parser() -> argparse.ArgumentParser:
 def register_modules(sub: argparse._SubParsersAction, names: list[str]) -> None:
     """Let each module add its subcommands (``module.register(sub)``), in order."""
     for name in names:
+        if name.startswith("spokefs_bench.") and importlib.util.find_spec("spokefs_bench") is None:
+            continue
         importlib.import_module(name).register(sub)
 
 

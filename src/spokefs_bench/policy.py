@@ -478,7 +478,7 @@ def summarise(rows: list[dict[str, Any]]) -> dict[str, Any]:
 
 
 def _run(a: argparse.Namespace) -> int:
-    from spokefs.bench.common import machine, table, write_json
+    from spokefs_bench.common import machine, table, write_json
 
     args = {"files": a.files, "file_size": a.file_size, "epochs": a.epochs, "link": a.link,
             "rtt": a.rtt, "compute": a.compute, "seed": a.seed,

@@ -1,7 +1,7 @@
 """``spokefs bench s3client``: which S3 client fetches ranged GETs at the least CPU.
 
 Many ranged GETs in flight (``--inflight``, default 64) of ``--ranges`` sizes against a bucket
-in a moto server on loopback (``spokefs.bench.s3server``), one client at a time, each in a
+in a moto server on loopback (``spokefs_bench.s3server``), one client at a time, each in a
 fresh process (no warm state shared). moto is slower than any client (Python, one thread a
 request), so wall time mostly measures moto; the figure that compares the clients is their
 own CPU-seconds per GiB received (``resource.getrusage`` of the client's process: every
@@ -24,8 +24,8 @@ from multiprocessing import get_context
 from pathlib import Path
 from typing import Any
 
-from spokefs.bench.common import machine, table, write_json
 from spokefs.units import parse_size
+from spokefs_bench.common import machine, table, write_json
 
 MiB = 1 << 20
 GiB = 1 << 30
@@ -128,7 +128,7 @@ def _available(client: str) -> bool:
 def run(args: argparse.Namespace) -> int:
     import boto3
 
-    from spokefs.bench.s3server import TEST_ENV, S3Server
+    from spokefs_bench.s3server import TEST_ENV, S3Server
 
     for k, v in TEST_ENV.items():
         os.environ.setdefault(k, v)

@@ -6,7 +6,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from spokefs.bench.training.metrics import STEADY_AU, WINDOW, Batch, walls
+from spokefs_bench.training.metrics import STEADY_AU, WINDOW, Batch, walls
 
 SMOOTH = 5  # batches in the plotted moving window (centred): sharp enough to show phases
 

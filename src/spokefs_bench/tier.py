@@ -35,9 +35,9 @@ from typing import Any
 
 import xxhash
 
-from spokefs.bench.common import have_matplotlib, machine, table, write_json
 from spokefs.errors import ConfigError
 from spokefs.units import parse_duration, parse_rate, parse_size
+from spokefs_bench.common import have_matplotlib, machine, table, write_json
 
 MIB = 1 << 20
 

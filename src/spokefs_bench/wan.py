@@ -25,11 +25,11 @@ from typing import Any
 import aiohttp
 from aiohttp import web
 
-from spokefs.bench.common import machine, table, write_json
 from spokefs.errors import SpokeError
 from spokefs.procs import Service
 from spokefs.units import format_size, parse_duration, parse_rate, parse_size
 from spokefs.wan.cli import _arg
+from spokefs_bench.common import machine, table, write_json
 
 MIB = 1024 * 1024
 THROUGHPUT_GOAL = 0.95  # share of the cap that concurrent streams should reach

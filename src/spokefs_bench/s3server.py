@@ -1,7 +1,7 @@
 """An S3 protocol server in a child process, for the tests and benchmarks: moto in server mode
 (real HTTP and the S3 wire protocol on 127.0.0.1), never a mock of a client library.
 
-    with S3Server() as s3:        # python -m spokefs.bench.s3server, port 0
+    with S3Server() as s3:        # python -m spokefs_bench.s3server, port 0
         s3.url                    # http://127.0.0.1:PORT, for --endpoint-url
 
 moto comes with the ``test`` extra (``pip install 'moto[server]'``). It keeps objects in memory
@@ -33,7 +33,7 @@ class S3Server(Child):
 
     def __init__(self, port: int = 0, log_path: Path | None = None,
                  env: dict[str, str] | None = None, keep_output: bool = True) -> None:
-        super().__init__([sys.executable, "-m", "spokefs.bench.s3server", str(port)],
+        super().__init__([sys.executable, "-m", "spokefs_bench.s3server", str(port)],
                          lambda line: _READY.match(line) is not None, name="moto s3",
                          log_path=log_path, env=env, keep_output=keep_output)
         self.url = ""

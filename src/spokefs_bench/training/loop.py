@@ -22,9 +22,9 @@ from typing import Any
 import torch
 from torch.utils.data import DataLoader, Dataset, Sampler
 
-from spokefs.bench.training.datasets import Index, sample_digest
-from spokefs.bench.training.metrics import Batch
-from spokefs.bench.training.openers import Opener
+from spokefs_bench.training.datasets import Index, sample_digest
+from spokefs_bench.training.metrics import Batch
+from spokefs_bench.training.openers import Opener
 
 IMAGE_SHAPE = (3, 32, 32)  # what a "decoded" sample becomes: its first 3072 bytes
 IMAGE_BYTES = math.prod(IMAGE_SHAPE)

@@ -18,10 +18,10 @@ import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from spokefs.bench.common import table, write_json
 from spokefs.client.sync import Client
 from spokefs.manifest import Manifest
 from spokefs.procs import Service, hub_args, running, spoke_args
+from spokefs_bench.common import table, write_json
 
 MiB = 1024 * 1024
 
@@ -133,7 +133,7 @@ def run(args: argparse.Namespace) -> int:
     if args.skip_train:
         return 0
     try:
-        from spokefs.bench.training import run_seed
+        from spokefs_bench.training import run_seed
     except ImportError as exc:  # torch is an optional extra
         print(f"\n(the training benchmark needs the torch extra: {exc})")
         return 0

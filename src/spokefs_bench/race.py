@@ -49,8 +49,8 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import quote, urljoin, urlsplit
 
-from spokefs.bench.common import BenchTokens
 from spokefs.units import format_size, parse_duration, parse_rate, parse_size
+from spokefs_bench.common import BenchTokens
 
 TOOLS = ["local", "spokefs", "spokefs_hints", "rclone", "fsspec_simplecache", "http_direct"]
 DATASETS = ["shards", "small"]
@@ -712,7 +712,7 @@ class Race:
         s3 = None
         try:
             if self.p.origin == "s3":
-                from spokefs.bench.s3server import S3Server
+                from spokefs_bench.s3server import S3Server
 
                 # Its request lines go to a file, not to memory: a run makes many.
                 s3 = S3Server(log_path=self.work / "s3.log", keep_output=False)
@@ -738,8 +738,8 @@ class Race:
     def _bucket_hub(self, s3: Any, ds: Dataset, auth: list[str]) -> Any:
         """``ds`` put in the bucket under the prefix of its name, and a hub over it (a fresh
         state: block digests are made as the first cold epoch reads the blocks)."""
-        from spokefs.bench.s3server import TEST_ENV, bucket_hub_args, upload_tree
         from spokefs.procs import Service
+        from spokefs_bench.s3server import TEST_ENV, bucket_hub_args, upload_tree
 
         t0 = time.perf_counter()
         put = upload_tree(s3.url, S3_BUCKET, ds.root, ds.name)
@@ -1024,7 +1024,7 @@ def code_version() -> dict[str, Any]:
 
 
 def run(args: argparse.Namespace) -> int:
-    from spokefs.bench.common import have_matplotlib, machine, table, write_json
+    from spokefs_bench.common import have_matplotlib, machine, table, write_json
 
     p = Params.from_args(args)
     out: Path = args.out

@@ -112,7 +112,7 @@ def _make_large(root: Path, files: int, size: int, seed: int) -> list[Path]:
 
 
 def _make_small(root: Path, files: int, size: int, seed: int) -> list[Path]:
-    from spokefs.bench.dataplane import make_small
+    from spokefs_bench.dataplane import make_small
 
     ds = make_small(root, files, size, 100, seed)
     return [root / p for p in ds.paths]
@@ -218,7 +218,7 @@ class CpuMeter:
     """CPU seconds of some processes (and their children) across a pattern."""
 
     def __init__(self, pids: dict[str, int]) -> None:
-        from spokefs.bench.dataplane import tree_cpu_s
+        from spokefs_bench.dataplane import tree_cpu_s
 
         self.pids = pids
         self.read = tree_cpu_s
@@ -236,7 +236,7 @@ def _states(large: list[Path], small: list[Path], args: argparse.Namespace,
             pids: dict[str, int], prepare: Any) -> tuple[Phase, Phase]:
     """Each pattern after ``prepare()`` (which empties caches, or not), then at once again
     (warm): (the prepared state, warm)."""
-    from spokefs.bench.common import percentile
+    from spokefs_bench.common import percentile
 
     runs: dict[str, list[Any]] = {"seq": [], "rand": [], "small": []}
     cpu: list[dict[str, float]] = [{}, {}]
@@ -273,10 +273,10 @@ def _states(large: list[Path], small: list[Path], args: argparse.Namespace,
 
 # -- the run ---------------------------------------------------------------------------------
 def run(args: argparse.Namespace) -> int:
-    from spokefs.bench.common import machine, table, write_json
     from spokefs.cache.inspect import blocks_on_disk
     from spokefs.mount.process import MountProcess
     from spokefs.procs import Service, hub_args, spoke_args
+    from spokefs_bench.common import machine, table, write_json
 
     variants = [v.strip() for v in args.variants.split(",") if v.strip()]
     if not variants or set(variants) - {"sc", "http"}:

@@ -23,11 +23,11 @@ from typing import Any
 
 from torch.utils.data import Sampler
 
-from spokefs.bench.training.datasets import BuiltDataset
-from spokefs.bench.training.loop import EpochSampler
-from spokefs.bench.training.openers import FileOpener, FsspecOpener, HttpOpener, Opener
 from spokefs.mount.process import MountError, fuse_unusable, unmount, wait_mounted
 from spokefs.procs import Service, cli, spoke_args
+from spokefs_bench.training.datasets import BuiltDataset
+from spokefs_bench.training.loop import EpochSampler
+from spokefs_bench.training.openers import FileOpener, FsspecOpener, HttpOpener, Opener
 
 MiB = 1 << 20
 

@@ -36,10 +36,10 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import quote
 
-from spokefs.bench.common import have_matplotlib, machine, table, write_json
 from spokefs.integrity import DEFAULT_BLOCK_SIZE, block_count
 from spokefs.procs import Service, hub_args, spoke_args
 from spokefs.units import format_size, parse_size
+from spokefs_bench.common import have_matplotlib, machine, table, write_json
 
 GOALS = {  # issue 10's goals on a 2-core machine
     "small fill_blocks_per_s >= 5000": ("small", "fill_blocks_per_s", 5000, ">="),

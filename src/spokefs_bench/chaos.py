@@ -40,11 +40,11 @@ from typing import Any
 import urllib3
 
 import spokefs
-from spokefs.bench.common import BenchTokens, machine, table, write_json
 from spokefs.cache.inspect import blocks_on_disk, cached_versions, store_check
 from spokefs.manifest import Manifest
 from spokefs.procs import Service
 from spokefs.wan import WanLinkThread
+from spokefs_bench.common import BenchTokens, machine, table, write_json
 
 DATASET = "ds"
 

@@ -1,6 +1,6 @@
 """``spokefs bench train`` and ``spokefs bench seed``: the training benchmark.
 
-The work lives in ``spokefs.bench.training``; this module only parses arguments.
+The work lives in ``spokefs_bench.training``; this module only parses arguments.
 """
 
 from __future__ import annotations
@@ -103,8 +103,8 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def _train(args: argparse.Namespace) -> int:
-    from spokefs.bench.training.loop import LoopConfig
-    from spokefs.bench.training.run import ALL_SCENARIOS, TrainConfig, run_train
+    from spokefs_bench.training.loop import LoopConfig
+    from spokefs_bench.training.run import ALL_SCENARIOS, TrainConfig, run_train
 
     cfg = TrainConfig(
         out=args.out, shapes=("files", "shards") if args.shape == "both" else (args.shape,),
@@ -122,7 +122,7 @@ def _train(args: argparse.Namespace) -> int:
 
 
 def _seed(args: argparse.Namespace) -> int:
-    from spokefs.bench.training.run import run_seed
+    from spokefs_bench.training.run import run_seed
 
     run_seed(args.out, quick=args.quick, progress=not args.no_progress, origin=args.origin)
     return 0

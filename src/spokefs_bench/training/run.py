@@ -19,18 +19,20 @@ from typing import Any
 
 from tqdm import tqdm
 
-from spokefs.bench.common import have_matplotlib, machine, table, write_json
-from spokefs.bench.training import metrics
-from spokefs.bench.training.datasets import (
+from spokefs.errors import ConfigError
+from spokefs.procs import Service, hub_args
+from spokefs_bench.common import have_matplotlib, machine, table, write_json
+from spokefs_bench.training import metrics
+from spokefs_bench.training.datasets import (
     BuiltDataset,
     DatasetSpec,
     default_cache_dir,
     ensure_dataset,
 )
-from spokefs.bench.training.loop import LoopConfig, batches_per_epoch, run_loop
-from spokefs.bench.training.metrics import Batch
-from spokefs.bench.training.plots import plot_bars, plot_timelines
-from spokefs.bench.training.scenarios import (
+from spokefs_bench.training.loop import LoopConfig, batches_per_epoch, run_loop
+from spokefs_bench.training.metrics import Batch
+from spokefs_bench.training.plots import plot_bars, plot_timelines
+from spokefs_bench.training.scenarios import (
     SCENARIOS,
     Env,
     Scenario,
@@ -38,8 +40,6 @@ from spokefs.bench.training.scenarios import (
     spoke_counters,
     wan_bytes,
 )
-from spokefs.errors import ConfigError
-from spokefs.procs import Service, hub_args
 
 MiB = 1 << 20
 LINKS = ("wide", "narrow")
@@ -194,7 +194,7 @@ def _shape_env(cfg: TrainConfig, data: BuiltDataset, links: set[str],
 def _bucket_hub(data: BuiltDataset, work: Path, logs: Path, started: list[Any]) -> Service:
     """``--origin s3``: an S3 server (added to ``started``), the dataset put in a bucket of
     it, and a hub over the bucket (not started; a fresh state: digests made as read)."""
-    from spokefs.bench.s3server import (
+    from spokefs_bench.s3server import (
         TEST_ENV,
         S3Server,
         bucket_hub_args,

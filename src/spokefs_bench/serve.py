@@ -16,9 +16,9 @@ from typing import Any
 
 import aiohttp
 
-from spokefs.bench.common import machine, percentile, table, write_json
 from spokefs.procs import Service, hub_args, running, spoke_args
 from spokefs.units import parse_size
+from spokefs_bench.common import machine, percentile, table, write_json
 
 MiB = 1024 * 1024
 

@@ -10,17 +10,17 @@ import argparse
 from spokefs.cli import register_modules
 
 BENCH_MODULES = [
-    "spokefs.bench.serve",
-    "spokefs.bench.dataplane",
-    "spokefs.bench.wan",
-    "spokefs.bench.mount",
-    "spokefs.bench.train",
-    "spokefs.bench.policy",
-    "spokefs.bench.race",
-    "spokefs.bench.chaos",
-    "spokefs.bench.abuse",
-    "spokefs.bench.s3client",
-    "spokefs.bench.tier",
+    "spokefs_bench.serve",
+    "spokefs_bench.dataplane",
+    "spokefs_bench.wan",
+    "spokefs_bench.mount",
+    "spokefs_bench.train",
+    "spokefs_bench.policy",
+    "spokefs_bench.race",
+    "spokefs_bench.chaos",
+    "spokefs_bench.abuse",
+    "spokefs_bench.s3client",
+    "spokefs_bench.tier",
 ]
 
 

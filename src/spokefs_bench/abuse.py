@@ -28,9 +28,9 @@ import time
 from pathlib import Path
 from typing import Any
 
-from spokefs.bench.common import machine, percentile, table, write_json
 from spokefs.procs import Service, hub_args, spoke_args
 from spokefs.units import parse_size
+from spokefs_bench.common import machine, percentile, table, write_json
 
 GOALS = {
     "spoke_peak_rss_mib <= 512": ("spoke_peak_rss_mib", 512.0),

@@ -7,6 +7,6 @@ Layout: ``datasets`` (synthetic data, cached), ``openers`` (how a sample is read
 Definitions: docs/benchmark.md.
 """
 
-from spokefs.bench.training.run import TrainConfig, run_seed, run_train, seed_config
+from spokefs_bench.training.run import TrainConfig, run_seed, run_train, seed_config
 
 __all__ = ["TrainConfig", "run_seed", "run_train", "seed_config"]
