@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import random
 import re
+import time
 from pathlib import Path
 
 import urllib3
@@ -57,3 +58,12 @@ def metric(base: str, name: str, **labels: str) -> float:
         if m and all(f'{k}="{v}"' in (m.group(1) or "") for k, v in labels.items()):
             total += float(m.group(2))
     return total
+
+
+def output_with(proc: ServerProcess, text: str, timeout: float = 10.0) -> str:
+    """The process's output so far, once ``text`` is in it (a thread reads the output: a
+    line the process wrote may arrive a moment later), or as it is after ``timeout``."""
+    end = time.monotonic() + timeout
+    while text not in (out := "".join(proc.output)) and time.monotonic() < end:
+        time.sleep(0.05)
+    return out

@@ -310,8 +310,14 @@ def test_names_that_are_not_utf8_are_left_out(dataset: Path, tmp_path: Path) -> 
         assert get(f"{base}/ds/class0/img0004.jpg").data == src
         r = http.request("POST", f"{base}/v1/datasets/ds/snapshots", timeout=PROMPT)
         assert r.status == 201 and json.loads(r.data)["new"] is False
-        warned = [line for line in h.output if "not valid UTF-8" in line]
-    # One line per name, at the first scan and at the second.
+        # One line per name, at the first scan and at the second (the hub's output is read
+        # by a thread: the second scan's lines may arrive a moment after its answer).
+        end = time.monotonic() + 10
+        while True:
+            warned = [line for line in h.output if "not valid UTF-8" in line]
+            if len(warned) >= 6 or time.monotonic() > end:
+                break
+            time.sleep(0.05)
     assert len(warned) == 6, warned
 
 

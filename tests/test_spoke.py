@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import urllib3
 
-from servers import metric, spoke
+from servers import metric, output_with, spoke
 from spokefs.cache.inspect import OnDisk, blocks_on_disk
 from spokefs.manifest import Manifest
 
@@ -169,8 +169,7 @@ def test_unwritable_cache_passes_through(hub_server, dataset: Path, tmp_path: Pa
             assert metric(s.url, "spokefs_cache_writable") == 0
             assert metric(s.url, "spokefs_cache_write_errors_total") >= 1
             assert metric(s.url, "spokefs_passthrough_bytes_total") > 0
-            logs = "".join(s.output)
-            assert logs.count("cannot write to") == 1  # logged once
+            assert output_with(s, "cannot write to").count("cannot write to") == 1  # once
         finally:
             os.system(f"umount {seg} 2>/dev/null")
 

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import urllib3
 
-from servers import metric, spoke
+from servers import metric, output_with, spoke
 from spokefs.client.control import SpokeControl
 
 http = urllib3.PoolManager(retries=False, maxsize=32, timeout=60)
@@ -124,8 +124,7 @@ def test_a_killed_worker_is_restarted_and_reads_go_on(hub_server, dataset: Path,
                      and workers_of(s.proc.pid)[r] != before[r], 30, f"a new {role}")
             read_everything(s.url, want)  # from the cache the restarted primary reopened
         assert metric(s.url, "spokefs_upstream_bytes_total") == 0  # nothing fetched again
-        log = "".join(s.output)
-        assert "exited with -9; restarting" in log
+        assert "exited with -9; restarting" in output_with(s, "exited with -9; restarting")
     for pid in [*before["primary"], *before["replica"]]:
         assert not Path(f"/proc/{pid}").exists() or "Z" in Path(f"/proc/{pid}/stat").read_text()
 
