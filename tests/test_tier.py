@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import re
 import signal
 import socket
 import subprocess
@@ -21,7 +20,7 @@ from pathlib import Path
 import pytest
 import urllib3
 
-from servers import ServerProcess, hub, make_dataset, spoke
+from servers import ServerProcess, hub, make_dataset, metric, spoke
 from spokefs.errors import ConfigError
 from spokefs.spoke.tier import UPSTREAM_KEEP, Route, TierRouter
 from spokefs.tier.membership import State
@@ -107,16 +106,6 @@ def wait_until(what: str, cond: Callable[[], bool], timeout: float = 60.0) -> No
     while not cond():
         assert time.monotonic() < end, f"timed out waiting for {what}"
         time.sleep(0.05)
-
-
-def metric(base: str, name: str, **labels: str) -> float:
-    text = http.request("GET", f"{base}/metrics").data.decode()
-    total = 0.0
-    for line in text.splitlines():
-        m = re.match(rf"^{name}(?:{{([^}}]*)}})? (\S+)$", line)
-        if m and all(f'{k}="{v}"' in (m.group(1) or "") for k, v in labels.items()):
-            total += float(m.group(2))
-    return total
 
 
 def status(base: str) -> dict:

@@ -34,10 +34,8 @@ import logging
 import os
 import socket
 import sqlite3
-import threading
 import time
 from collections.abc import AsyncIterator, Iterable
-from dataclasses import dataclass
 from pathlib import Path
 
 from prometheus_client import CollectorRegistry, Counter
@@ -53,7 +51,7 @@ from spokefs.errors import (
     VersionGone,
 )
 from spokefs.hub.backend import REFRESH_EVERY, RESERVED_NAMES, PublishedSnapshots
-from spokefs.hub.snapshot import ScanResult, SnapshotInfo
+from spokefs.hub.snapshot import LedgerView, ScanResult, SnapshotInfo, SnapshotLedger
 from spokefs.manifest import Manifest
 from spokefs.origin.s3 import BucketUrl, ObjectInfo, S3Origin, parse_bucket_url
 from spokefs.wire.backend import BlockPart, DatasetInfo, ManifestMemo, ReadContext, Segment
@@ -124,30 +122,16 @@ def _clean(path: str) -> bool:
     return "\x00" not in path and all(c not in ("", ".", "..") for c in path.split("/"))
 
 
-@dataclass(frozen=True, slots=True)
-class _View:
-    """What reads use, replaced whole in one assignment."""
-
-    snaps: list[SnapshotInfo]
-    by_version: dict[str, ObjectInfo]
-    data_version: int
-
-
-class BucketState:
+class BucketState(SnapshotLedger):
     """One bucket dataset's memory: listed objects, snapshots, manifests, block digests
     (SQLite + manifest files in ``state_dir``)."""
 
     def __init__(self, url: BucketUrl, origin: S3Origin, state_dir: Path, name: str,
                  block_size: int = integrity.DEFAULT_BLOCK_SIZE) -> None:
+        super().__init__(state_dir, name, block_size)
         self.url = url
         self.origin = origin
-        self.state_dir = state_dir
-        self.name = name
-        self.block_size = block_size
         self.root = str(url)  # shown in status, as a directory hub shows its folder
-        self._db: sqlite3.Connection | None = None
-        self._lock = threading.Lock()  # one connection, used from the loop and threads
-        self._view = _View([], {}, -1)
         self.digests: dict[tuple[str, int], bytes] = {}
 
     def open(self) -> BucketState:
@@ -157,7 +141,7 @@ class BucketState:
         db.execute("PRAGMA journal_mode=WAL")
         db.execute("PRAGMA synchronous=NORMAL")
         db.executescript(_SCHEMA)
-        with self._lock:
+        with self._db_lock:
             db.execute("BEGIN IMMEDIATE")
             try:
                 for key, value in (("block_size", str(self.block_size)),
@@ -178,17 +162,6 @@ class BucketState:
             self._load_locked()
         return self
 
-    def close(self) -> None:
-        if self._db is not None:
-            self._db.close()
-            self._db = None
-
-    @property
-    def db(self) -> sqlite3.Connection:
-        if self._db is None:
-            raise RuntimeError("BucketState.open() was not called")
-        return self._db
-
     def _load_locked(self) -> None:
         db = self.db
         db.execute("BEGIN")
@@ -204,40 +177,13 @@ class BucketState:
             db.execute("COMMIT")
         digests.update(self.digests)  # made here and not yet written
         self.digests = digests
-        self._view = _View(snaps, by_version, dv)
-
-    def refresh(self) -> bool:
-        """Reload if another process (``spokefs hub snapshot``) committed; never waits."""
-        if not self._lock.acquire(blocking=False):
-            return False
-        try:
-            if self.db.execute("PRAGMA data_version").fetchone()[0] == self._view.data_version:
-                return False
-            self._load_locked()
-            return True
-        finally:
-            self._lock.release()
-
-    def snapshots(self) -> list[SnapshotInfo]:
-        return self._view.snaps
-
-    def resolve(self, snap: str) -> SnapshotInfo:
-        snaps = self._view.snaps
-        if snap == "latest" and snaps:
-            return snaps[-1]
-        for s in snaps:
-            if s.id == snap:
-                return s
-        raise NotFound(f"dataset {self.name!r} has no snapshot {snap!r}")
-
-    def manifest_path(self, snap_id: str) -> Path:
-        return self.state_dir / "manifests" / f"{snap_id}.json.gz"
+        self._view = LedgerView(snaps, by_version, dv)
 
     def stored(self, version: str) -> ObjectInfo | None:
         return self._view.by_version.get(version)
 
     def save_digests(self, rows: list[tuple[str, int, bytes]]) -> None:
-        with self._lock:
+        with self._db_lock:
             self.db.execute("BEGIN IMMEDIATE")
             try:
                 self.db.executemany("INSERT OR REPLACE INTO digests VALUES (?,?,?)", rows)
@@ -263,12 +209,12 @@ class BucketState:
             rows.append((v, o.key, o.size, o.etag, o.version_id, o.mtime_ns))
         m = Manifest(self.name, "", 0.0, self.block_size, paths, [files[p].size for p in paths],
                      [MODE] * len(paths), [files[p].mtime_ns for p in paths], versions, dirs)
-        with self._lock:
+        with self._db_lock:
             db = self.db
             db.execute("BEGIN IMMEDIATE")
             try:
                 db.executemany("INSERT OR IGNORE INTO objects VALUES (?,?,?,?,?,?)", rows)
-                result = self._record_snapshot(db, m)
+                result = ScanResult(*self._publish(db, m), 0, 0)
                 db.execute("COMMIT")
             except BaseException:
                 db.execute("ROLLBACK")
@@ -280,27 +226,6 @@ class BucketState:
                      self.name, s.files, s.bytes, len(skipped))
         return result
 
-    def _record_snapshot(self, db: sqlite3.Connection, m: Manifest) -> ScanResult:
-        snap_id = m.content_id()
-        existing = db.execute("SELECT id, seq, created, files, bytes FROM snapshots WHERE id=?",
-                              (snap_id,)).fetchone()
-        latest = db.execute("SELECT id FROM snapshots ORDER BY seq DESC LIMIT 1").fetchone()
-        if existing is not None and latest is not None and latest[0] == snap_id:
-            return ScanResult(SnapshotInfo(*existing), False, 0, 0)
-        created = time.time()
-        m = Manifest(self.name, snap_id, created, m.block_size, m.paths, m.sizes, m.modes,
-                     m.mtimes, m.versions, m.dirs)
-        target = self.manifest_path(snap_id)
-        tmp = target.with_suffix(".tmp")
-        tmp.write_bytes(m.encode())
-        os.replace(tmp, target)  # manifest on disk before the snapshot is listed
-        if existing is not None:  # the bucket went back to an earlier listing: list it again
-            db.execute("DELETE FROM snapshots WHERE id=?", (snap_id,))
-        cur = db.execute("INSERT INTO snapshots (id, created, files, bytes) VALUES (?,?,?,?)",
-                         (snap_id, created, len(m.paths), m.total_bytes))
-        info = SnapshotInfo(snap_id, int(cur.lastrowid or 0), created, len(m.paths),
-                            m.total_bytes)
-        return ScanResult(info, True, 0, 0)
 
 
 class BucketBackend(PublishedSnapshots):

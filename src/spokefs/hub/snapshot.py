@@ -34,6 +34,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from tqdm import tqdm
 
@@ -153,11 +154,11 @@ class StoredFile:
 
 
 @dataclass(frozen=True, slots=True)
-class _View:
+class LedgerView:
     """What reads use, replaced whole in one assignment (never seen half updated)."""
 
     snaps: list[SnapshotInfo]
-    by_version: dict[str, StoredFile]
+    by_version: dict[str, Any]  # version -> what the source holds for it (a file, an object)
     data_version: int
 
 
@@ -180,12 +181,13 @@ def default_state_dir(root: Path, name: str) -> Path:
     return base / "spokefs" / "hub" / f"{name}-{tag}"
 
 
-class HubState:
-    """The hub's memory of one dataset: scanned files, snapshots, manifests (SQLite + files)."""
+class SnapshotLedger:
+    """What a hub keeps of a dataset in its state folder, whatever the source (a folder:
+    ``HubState``, a bucket: ``hub.bucket.BucketState``): snapshots in SQLite, their
+    manifests as files, and a view of both that reads use. A subclass opens the database,
+    says how to load its view (``_load_locked``) and records snapshots (``_publish``)."""
 
-    def __init__(self, root: Path, state_dir: Path, name: str,
-                 block_size: int = integrity.DEFAULT_BLOCK_SIZE) -> None:
-        self.root = root.resolve()
+    def __init__(self, state_dir: Path, name: str, block_size: int) -> None:
         self.state_dir = state_dir
         self.name = name
         self.block_size = block_size
@@ -193,11 +195,89 @@ class HubState:
         # holds this lock only to commit and reload; ``refresh`` never waits for it.
         self._db: sqlite3.Connection | None = None
         self._db_lock = threading.Lock()
-        self._scan_lock = threading.Lock()  # one scan at a time in this process
         # What reads ask, kept in memory (a read by version is a dict lookup, not SQL):
         # replaced whole after a scan here, or when another process (``spokefs hub
         # snapshot``) committed to the state database (``refresh``).
-        self._view = _View([], {}, -1)
+        self._view = LedgerView([], {}, -1)
+
+    def close(self) -> None:
+        if self._db is not None:
+            self._db.close()
+            self._db = None
+
+    @property
+    def db(self) -> sqlite3.Connection:
+        if self._db is None:
+            raise RuntimeError(f"{type(self).__name__}.open() was not called")
+        return self._db
+
+    def _load_locked(self) -> None:
+        raise NotImplementedError
+
+    def refresh(self) -> bool:
+        """Reload what reads use if another process committed a scan; True if it did. Never
+        waits: while a scan in this process commits, it publishes what it wrote itself."""
+        if not self._db_lock.acquire(blocking=False):
+            return False
+        try:
+            version = self.db.execute("PRAGMA data_version").fetchone()[0]
+            if version == self._view.data_version:
+                return False
+            self._load_locked()
+            return True
+        finally:
+            self._db_lock.release()
+
+    def snapshots(self) -> list[SnapshotInfo]:
+        return self._view.snaps
+
+    def resolve(self, snap: str) -> SnapshotInfo:
+        snaps = self._view.snaps
+        if snap == "latest":
+            if snaps:
+                return snaps[-1]
+        else:
+            for s in snaps:
+                if s.id == snap:
+                    return s
+        raise NotFound(f"dataset {self.name!r} has no snapshot {snap!r}")
+
+    def manifest_path(self, snap_id: str) -> Path:
+        return self.state_dir / "manifests" / f"{snap_id}.json.gz"
+
+    def _publish(self, db: sqlite3.Connection, m: Manifest) -> tuple[SnapshotInfo, bool]:
+        """Record ``m`` (no id, no creation time yet) as the latest snapshot, in the caller's
+        transaction; (the snapshot, whether it is new). The same content as the latest is
+        not new; content equal to an earlier snapshot's is listed again as the latest."""
+        snap_id = m.content_id()
+        existing = db.execute("SELECT id, seq, created, files, bytes FROM snapshots "
+                              "WHERE id=?", (snap_id,)).fetchone()
+        latest = db.execute("SELECT id FROM snapshots ORDER BY seq DESC LIMIT 1").fetchone()
+        if existing is not None and latest is not None and latest[0] == snap_id:
+            return SnapshotInfo(*existing), False
+        created = time.time()
+        m = Manifest(self.name, snap_id, created, m.block_size, m.paths, m.sizes, m.modes,
+                     m.mtimes, m.versions, m.dirs)
+        target = self.manifest_path(snap_id)
+        tmp = target.with_suffix(".tmp")
+        tmp.write_bytes(m.encode())
+        os.replace(tmp, target)  # manifest on disk before the snapshot is listed
+        if existing is not None:
+            db.execute("DELETE FROM snapshots WHERE id=?", (snap_id,))
+        cur = db.execute("INSERT INTO snapshots (id, created, files, bytes) VALUES (?,?,?,?)",
+                         (snap_id, created, len(m.paths), m.total_bytes))
+        return SnapshotInfo(snap_id, int(cur.lastrowid or 0), created, len(m.paths),
+                            m.total_bytes), True
+
+
+class HubState(SnapshotLedger):
+    """The hub's memory of one dataset: scanned files, snapshots, manifests (SQLite + files)."""
+
+    def __init__(self, root: Path, state_dir: Path, name: str,
+                 block_size: int = integrity.DEFAULT_BLOCK_SIZE) -> None:
+        super().__init__(state_dir, name, block_size)
+        self.root = root.resolve()
+        self._scan_lock = threading.Lock()  # one scan at a time in this process
 
     # -- lifecycle ---------------------------------------------------------------------------
     def open(self) -> HubState:
@@ -236,17 +316,6 @@ class HubState:
         db.execute("PRAGMA synchronous=NORMAL")
         return db
 
-    def close(self) -> None:
-        if self._db is not None:
-            self._db.close()
-            self._db = None
-
-    @property
-    def db(self) -> sqlite3.Connection:
-        if self._db is None:
-            raise RuntimeError("HubState.open() was not called")
-        return self._db
-
     # -- queries -----------------------------------------------------------------------------
     def _load_locked(self) -> None:
         """Read what reads use from the database and publish it (caller holds ``_db_lock``)."""
@@ -261,38 +330,7 @@ class HubState:
                 "digests FROM files")}
         finally:
             db.execute("COMMIT")
-        self._view = _View(snaps, by_version, version)
-
-    def refresh(self) -> bool:
-        """Reload what reads use if another process committed a scan; True if it did. Never
-        waits: while a scan in this process commits, it publishes what it wrote itself."""
-        if not self._db_lock.acquire(blocking=False):
-            return False
-        try:
-            version = self.db.execute("PRAGMA data_version").fetchone()[0]
-            if version == self._view.data_version:
-                return False
-            self._load_locked()
-            return True
-        finally:
-            self._db_lock.release()
-
-    def snapshots(self) -> list[SnapshotInfo]:
-        return self._view.snaps
-
-    def resolve(self, snap: str) -> SnapshotInfo:
-        snaps = self._view.snaps
-        if snap == "latest":
-            if snaps:
-                return snaps[-1]
-        else:
-            for s in snaps:
-                if s.id == snap:
-                    return s
-        raise NotFound(f"dataset {self.name!r} has no snapshot {snap!r}")
-
-    def manifest_path(self, snap_id: str) -> Path:
-        return self.state_dir / "manifests" / f"{snap_id}.json.gz"
+        self._view = LedgerView(snaps, by_version, version)
 
     def stored(self, version: str) -> StoredFile | None:
         return self._view.by_version.get(version)
@@ -453,22 +491,5 @@ class HubState:
         paths = [r[0] for r in rows]
         m = Manifest(self.name, "", 0.0, self.block_size, paths, [r[1] for r in rows],
                      [r[2] for r in rows], [r[3] for r in rows], [r[4] for r in rows], dirs)
-        snap_id = hashlib.blake2b(m.identity(), digest_size=6).hexdigest()
-        existing = db.execute("SELECT id, seq, created, files, bytes FROM snapshots "
-                              "WHERE id=?", (snap_id,)).fetchone()
-        latest = db.execute("SELECT id FROM snapshots ORDER BY seq DESC LIMIT 1").fetchone()
-        if existing is not None and latest is not None and latest[0] == snap_id:
-            return ScanResult(SnapshotInfo(*existing), False, n_hashed, hashed_bytes)
-        created = time.time()
-        m = Manifest(self.name, snap_id, created, self.block_size, m.paths, m.sizes, m.modes,
-                     m.mtimes, m.versions, m.dirs)
-        target = self.manifest_path(snap_id)
-        tmp = target.with_suffix(".tmp")
-        tmp.write_bytes(m.encode())
-        os.replace(tmp, target)  # manifest on disk before the snapshot is listed
-        if existing is not None:  # the tree went back to an earlier state: list it again
-            db.execute("DELETE FROM snapshots WHERE id=?", (snap_id,))
-        cur = db.execute("INSERT INTO snapshots (id, created, files, bytes) VALUES (?,?,?,?)",
-                         (snap_id, created, len(paths), m.total_bytes))
-        info = SnapshotInfo(snap_id, int(cur.lastrowid or 0), created, len(paths), m.total_bytes)
-        return ScanResult(info, True, n_hashed, hashed_bytes)
+        info, new = self._publish(db, m)
+        return ScanResult(info, new, n_hashed, hashed_bytes)
