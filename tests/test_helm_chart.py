@@ -136,6 +136,7 @@ def test_default_values_render_valid_manifests():
     spoke = one(docs, "StatefulSet")
     args = container(spoke)["args"]
     assert "--tier-kubernetes=train-spokefs-spoke-headless" in args
+    assert "--no-tier-copies" not in args  # copies in spare room: the default
     assert ("--advertise=http://$(POD_NAME).train-spokefs-spoke-headless.$(POD_NAMESPACE)"
             ".svc.cluster.local:8471") in args
     assert "--upstream=http://train-spokefs-hub.ml.svc.cluster.local:8470" in args
@@ -242,14 +243,14 @@ def test_non_default_values_render_valid_manifests():
 
 
 def test_dns_membership_and_a_region_without_a_hub():
-    docs = render({"hub": {"enabled": False}, "tier": {"membership": "dns"},
+    docs = render({"hub": {"enabled": False}, "tier": {"membership": "dns", "copies": False},
                    "spoke": {"upstream": "https://hub.example.org:8470"},
                    "auth": {"enabled": False}, "mount": {"enabled": False}})
     validate_all(docs)
     assert not by_kind(docs, "Deployment") and not by_kind(docs, "DaemonSet")
     args = container(one(docs, "StatefulSet"))["args"]
     assert "--tier-dns=train-spokefs-spoke-headless.$(POD_NAMESPACE).svc.cluster.local" in args
-    assert "--advertise=http://$(POD_IP):8471" in args
+    assert "--advertise=http://$(POD_IP):8471" in args and "--no-tier-copies" in args
     assert "--insecure" in args and "--upstream=https://hub.example.org:8470" in args
     # without tokens the kubelet can ask /v1/status itself
     probe = container(one(docs, "StatefulSet"))["readinessProbe"]

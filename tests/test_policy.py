@@ -7,7 +7,7 @@ import random
 import pytest
 
 from spokefs.errors import ConfigError
-from spokefs.policy import POLICIES, BlockKey, EvictionPolicy, make_policy
+from spokefs.policy import POLICIES, BlockKey, CopiesFirst, EvictionPolicy, make_policy
 
 MiB = 1 << 20
 
@@ -384,3 +384,51 @@ def test_belady_two_streams_share_one_clock() -> None:
     assert set(victims[-2:]) == {a[5], b[5]}
     p.set_future([], stream="job-a")  # forgotten: plain LRU for its blocks again
     assert p.next_use(a[6]) > 1 << 60
+
+
+# -- a tier member's copies ---------------------------------------------------------------
+
+
+@pytest.mark.parametrize("name", sorted(POLICIES))
+def test_copies_leave_before_any_owned_block_and_make_room_only_for_copies(name: str) -> None:
+    p = CopiesFirst(make_policy(name))
+    fill(p, 3)  # owned
+    p.insert(k(10), MiB, copy=True)
+    p.insert(k(11), MiB, copy=True)
+    assert len(p) == 5 and p.copy_bytes == 2 * MiB and k(10) in p and p.size_of(k(10)) == MiB
+    p.access(k(10))  # copies in least-recently-used order among themselves
+    assert p.victim() == k(11) and p.victim(copies_only=True) == k(11)
+    p.remove(k(11))
+    p.remove(k(10))
+    assert p.victim(copies_only=True) is None  # a copy never displaces an owned block
+    assert p.victim() in {k(0), k(1), k(2)}
+    assert len(drain(p)) == 3 and len(p) == 0 and p.copy_bytes == 0
+
+
+def test_pins_keep_owned_blocks_not_copies() -> None:
+    p = CopiesFirst(make_policy("lru"))
+    p.pin(k(1))  # e.g. a warm-up through this member: counted before anything arrives
+    p.pin(k(2))
+    p.insert(k(1), MiB, copy=True)  # arrives as a copy: still the first to leave
+    p.insert(k(2), MiB)  # arrives owned: kept while pinned
+    p.insert(k(3), MiB)
+    assert p.pinned(k(2)) and not p.pinned(k(1))
+    assert p.victim(copies_only=True) == k(1) and p.victim() == k(1)
+    p.remove(k(1))
+    assert p.victim() == k(3)
+    p.remove(k(3))
+    assert p.victim() is None
+    p.unpin(k(1))
+    p.unpin(k(2))
+    assert p.victim() == k(2)
+
+
+def test_copies_found_at_start_are_reclassified_by_owner() -> None:
+    p = CopiesFirst(make_policy("s3fifo"))
+    fill(p, 6)  # the index knows no owner: everything comes back as owned
+    p.pin(k(4))
+    assert p.reclassify(lambda key: key[1] % 2 == 0) == 2  # 0 and 2; 4 is pinned
+    assert p.copy_bytes == 2 * MiB and len(p) == 6
+    assert sorted(p.resident_keys()) == [k(i) for i in range(6)]
+    assert {p.victim(copies_only=True)} <= {k(0), k(2)}
+    assert sorted(drain(p)[:2]) == [k(0), k(2)]

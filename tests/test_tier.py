@@ -14,7 +14,7 @@ import threading
 import time
 import urllib.request
 from collections.abc import Callable, Iterator
-from contextlib import ExitStack
+from contextlib import ExitStack, contextmanager
 from pathlib import Path
 
 import pytest
@@ -165,11 +165,10 @@ def in_threads(*jobs: Callable[[], object]) -> None:
         assert not t.is_alive(), "a reader hung"
 
 
-@pytest.fixture
-def tier3(tmp_path: Path) -> Iterator[tuple[Path, Wan, list[str], Callable[[int], ServerProcess]]]:
-    """A hub behind one emulated WAN, and three spokes with --tier of each other."""
-    ds = make_dataset(tmp_path / "ds", n_small=90, small_size=60_000,
-                      big_sizes=(9_000_000, 5_000_000))
+@contextmanager
+def make_tier(tmp_path: Path, ds: Path, cache: str, *flags: str
+              ) -> Iterator[tuple[Wan, list[str], Callable[[int], ServerProcess]]]:
+    """A hub on ``ds`` behind one emulated WAN, and three spokes with --tier of each other."""
     ports = [free_port() for _ in range(3)]
     urls = [f"http://127.0.0.1:{p}" for p in ports]
     with ExitStack() as stack:
@@ -178,15 +177,25 @@ def tier3(tmp_path: Path) -> Iterator[tuple[Path, Wan, list[str], Callable[[int]
             "wan", "--upstream", h.hostport, "--rtt", "20ms", "--bandwidth", "200MB/s"))
 
         def make(i: int) -> ServerProcess:
-            return spoke(wan.url, tmp_path / f"cache{i}", "1GiB", "--port", str(ports[i]),
+            return spoke(wan.url, tmp_path / f"cache{i}", cache, "--port", str(ports[i]),
                          "--workers", "1", "--deadline", "20s", "--tier", ",".join(urls),
-                         "--tier-timeout", "3s", "--tier-borrow", "1MiB")
+                         "--tier-timeout", "3s", "--tier-borrow", "1MiB", *flags)
 
         spokes = [make(i) for i in range(3)]
         for s in spokes:
             s.start()
             stack.callback(lambda s=s: s.stop())
-        yield ds, Wan(wan.control), urls, lambda i: spokes[i]
+        yield Wan(wan.control), urls, lambda i: spokes[i]
+
+
+@pytest.fixture
+def tier3(tmp_path: Path) -> Iterator[tuple[Path, Wan, list[str], Callable[[int], ServerProcess]]]:
+    """Three members without copies (--no-tier-copies): every read of a block another member
+    owns is a hop to its owner, the path these tests check."""
+    ds = make_dataset(tmp_path / "ds", n_small=90, small_size=60_000,
+                      big_sizes=(9_000_000, 5_000_000))
+    with make_tier(tmp_path, ds, "1GiB", "--no-tier-copies") as (wan, urls, member):
+        yield ds, wan, urls, member
 
 
 def test_three_spokes_share_one_copy_and_survive_a_member(tier3) -> None:
@@ -202,7 +211,8 @@ def test_three_spokes_share_one_copy_and_survive_a_member(tier3) -> None:
                for m in st["members"])
     out = subprocess.run([sys.executable, "-m", "spokefs.cli", "status", a], check=True,
                          capture_output=True, text=True).stdout
-    assert "3 members (static)" in out and f"{a}" in out and "(this member)" in out, out
+    assert "3 members (static), no copies" in out and f"{a}" in out, out
+    assert "(this member)" in out, out
 
     # 1. A cold epoch through all three at once: the dataset crosses the WAN once.
     wan.reset()
@@ -254,6 +264,70 @@ def test_three_spokes_share_one_copy_and_survive_a_member(tier3) -> None:
     assert wan.bytes_down() < 0.02 * total, wan.bytes_down()
     assert metric(b, "spokefs_tier_served_bytes_total") > served  # its share, from its cache
     assert metric(b, "spokefs_upstream_bytes_total") == 0
+
+
+def owned_and_copies(urls: list[str]) -> tuple[list[int], list[int]]:
+    """Per member: bytes of the blocks it owns, bytes of its copies of others' blocks."""
+    sts = [status(u) for u in urls]
+    copies = [st["tier"]["copy_bytes"] for st in sts]
+    return [st["cache"]["data_bytes"] - c for st, c in zip(sts, copies, strict=True)], copies
+
+
+def test_members_keep_copies_in_spare_room_and_read_them_locally(tmp_path: Path) -> None:
+    """With room to spare (--tier-copies, the default), a member keeps a copy of each block
+    it got from another: the WAN still carries the dataset once, the tier still holds one
+    owned copy of each block, and the next epoch through a member asks no other member."""
+    ds = make_dataset(tmp_path / "ds", n_small=90, small_size=60_000,
+                      big_sizes=(9_000_000, 5_000_000))
+    files = files_of(ds)
+    total = sum(len(d) for _, d in files)
+    with make_tier(tmp_path, ds, "1GiB") as (wan, urls, _):
+        a = urls[0]
+        assert status(a)["tier"]["copies"] is True
+        wan.reset()
+        errors: list[str] = []
+        in_threads(*(lambda u=u: read_epoch(u, files, errors) for u in urls))
+        assert errors == []
+        assert total <= wan.bytes_down() <= 1.02 * total
+        wait_until("every member to hold the whole dataset", lambda: all(
+            status(u)["cache"]["data_bytes"] == total for u in urls))
+        owned, copies = owned_and_copies(urls)
+        assert sum(owned) == total and all(c > 0 for c in copies), (owned, copies)
+        peer_blocks = metric(a, "spokefs_tier_peer_blocks_total")
+        served = [metric(u, "spokefs_tier_served_bytes_total") for u in urls]
+        wan.reset()
+        read_epoch(a, files, errors)
+        assert errors == [] and wan.bytes_down() == 0
+        assert metric(a, "spokefs_tier_peer_blocks_total") == peer_blocks  # all local
+        assert [metric(u, "spokefs_tier_served_bytes_total") for u in urls] == served
+
+
+def test_copies_never_push_out_a_block_its_member_owns(tmp_path: Path) -> None:
+    """Caches that hold a member's own share and only part of the copies: copies take the
+    room that is left, evict only each other, and every block keeps its owned copy, so a
+    second epoch through all three fetches nothing more over the WAN."""
+    ds = make_dataset(tmp_path / "ds", n_small=150, small_size=40_000, big_sizes=())
+    files = files_of(ds)
+    total = sum(len(d) for _, d in files)  # ~6 MB: ~2 MB owned per member, 3.5 MiB caches
+    capacity = int(3.5 * (1 << 20))
+    with make_tier(tmp_path, ds, "3.5MiB") as (wan, urls, _):
+        errors: list[str] = []
+        for epoch in range(2):
+            wan.reset()
+            in_threads(*(lambda u=u: read_epoch(u, files, errors) for u in urls))
+            assert errors == []
+            if epoch == 0:
+                assert total <= wan.bytes_down() <= 1.02 * total
+                wait_until("every block written", lambda: sum(
+                    owned_and_copies(urls)[0]) >= total)
+        assert wan.bytes_down() < 0.02 * total, wan.bytes_down()  # the second epoch
+        owned, copies = owned_and_copies(urls)
+        assert sum(owned) == total, (owned, copies)  # no owned block was evicted
+        assert all(c > 0 for c in copies), copies  # the spare room holds copies
+        for u in urls:
+            cache = status(u)["cache"]
+            assert cache["used_bytes"] <= capacity and cache["data_bytes"] < total, cache
+        assert sum(metric(u, "spokefs_cache_evictions_total") for u in urls) > 0
 
 
 def post(base: str, path: str, doc: dict) -> dict:
@@ -356,7 +430,7 @@ def test_tier_options_are_checked() -> None:
      "--advertise=http://train-spokefs-spoke-0.train-spokefs-spoke-headless.ml.svc"
      ".cluster.local:8471"],
     ["--tier-dns=train-spokefs-spoke-headless.ml.svc.cluster.local",
-     "--advertise=http://10.1.2.3:8471"],
+     "--advertise=http://10.1.2.3:8471", "--no-tier-copies"],
 ])
 def test_the_flags_the_helm_chart_passes_are_accepted(flags: list[str]) -> None:
     """What deploy/helm/spokefs passes a member (tests/test_helm_chart.py checks the chart

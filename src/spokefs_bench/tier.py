@@ -4,13 +4,15 @@ One hub, one ``spokefs wan`` in front of it, and for each count N a fresh tier o
 (``--tier`` of each other, loopback ports, empty caches). Every spoke is a node: its readers
 (threads here, each its own connection) read the whole dataset through it, in an order of
 their own, all nodes at once, as data-parallel jobs on N nodes that each scan the dataset do.
-A cold epoch, then a warm one. Measured: the bytes the WAN carried during the cold epoch over
-the dataset's size (the goal: <= 1.02 whatever N: one regional copy), and each epoch's time
-per node (the slowest node is reported; the goal: warm epochs through any member within 1.5x
-of a single spoke's). Then each node reads a warm epoch alone, the others serving it: on one
-machine that is the fair "node on its own machine" figure (all nodes at once share these
-cores, so their readers slow each other down whatever the tier does). Every file read is
-checked against the source's digest.
+A cold epoch, then a warm one. Each member keeps copies of the blocks it got from others
+while its disk has room (``--tier-copies``); ``--no-copies`` measures the hop to the owner
+that every such read takes once disks are full. Measured: the bytes the WAN carried during
+the cold epoch over the dataset's size (the goal: <= 1.02 whatever N: one regional copy),
+and each epoch's time per node (the slowest node is reported; the goal: warm epochs through
+any member within 1.5x of a single spoke's). Then each node reads a warm epoch alone, the
+others serving it: on one machine that is the fair "node on its own machine" figure (all
+nodes at once share these cores, so their readers slow each other down whatever the tier
+does). Every file read is checked against the source's digest.
 
 This measures the tier's mechanics on one machine: the members, the hub, the link and the
 readers share its cores, so the times say how the tier's extra hop costs on loopback, not
@@ -60,6 +62,12 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="the WAN's round trip (default 60ms)")
     p.add_argument("--bandwidth", type=parse_rate, default=None, metavar="RATE",
                    help="the WAN's bandwidth (default 200MB/s; --quick: 100MB/s)")
+    p.add_argument("--cache-size", type=parse_size, default=4 << 30, metavar="SIZE",
+                   help="each spoke's --cache-size (default 4GiB: room for the dataset, so "
+                   "members keep copies of the blocks others own)")
+    p.add_argument("--no-copies", action="store_true",
+                   help="spokes run with --no-tier-copies: every read of a block another "
+                   "member owns is a hop to it (the tier's path when disks are full)")
     p.add_argument("--workers", type=int, default=1,
                    help="--workers of each spoke (default 1: the machine is shared)")
     p.add_argument("--work-dir", type=Path, default=None, metavar="DIR",
@@ -80,7 +88,8 @@ def _params(args: argparse.Namespace) -> dict[str, Any]:
             "file_size": args.file_size or ((128 if quick else 512) * 1024),
             "readers": args.readers, "rtt_s": args.rtt,
             "bandwidth": args.bandwidth or (100e6 if quick else 200e6),
-            "workers": args.workers, "quick": quick}
+            "workers": args.workers, "quick": quick, "cache_size": args.cache_size,
+            "copies": not args.no_copies}
 
 
 def run(args: argparse.Namespace) -> int:
@@ -135,6 +144,11 @@ def _wan(control: str, method: str, path: str) -> dict[str, Any]:
     req = urllib.request.Request(control.rstrip("/") + path, method=method,
                                  data=b"{}" if method == "POST" else None)
     with urllib.request.urlopen(req, timeout=10) as resp:
+        return dict(json.loads(resp.read()))
+
+
+def _status(url: str) -> dict[str, Any]:
+    with urllib.request.urlopen(f"{url}/v1/status", timeout=10) as resp:
         return dict(json.loads(resp.read()))
 
 
@@ -209,7 +223,9 @@ def _bench(p: dict[str, Any], work: Path) -> dict[str, Any]:
                     extra = ["--workers", str(p["workers"])]
                     if n > 1:
                         extra += ["--tier", ",".join(urls)]
-                    s = Service(spoke_args(wan.url, cache, "4GiB", port, *extra))
+                        if not p["copies"]:
+                            extra.append("--no-tier-copies")
+                    s = Service(spoke_args(wan.url, cache, str(p["cache_size"]), port, *extra))
                     tier.enter_context(s.start())
                     spokes.append(s)
                 _wan(wan.control, "POST", "/reset-counters")
@@ -224,11 +240,15 @@ def _bench(p: dict[str, Any], work: Path) -> dict[str, Any]:
                     t, bad = _epoch([url], digests, p["readers"])
                     alone += t
                     wrong_alone += bad
+                held = [_status(u) for u in urls]
             row = {"spokes": n, "wan_bytes_ratio": round(wan_bytes / total, 4),
                    "cold_epoch_s": max(cold), "warm_epoch_s": max(warm),
                    "warm_alone_epoch_s": max(alone),
                    "cold_epoch_s_per_node": cold, "warm_epoch_s_per_node": warm,
                    "warm_alone_epoch_s_per_node": alone,
+                   "cached_bytes_per_node": [h["cache"]["data_bytes"] for h in held],
+                   "copy_bytes_per_node": [(h["tier"] or {}).get("copy_bytes", 0)
+                                           for h in held],
                    "wan_bytes": wan_bytes, "wrong_files": wrong_cold + wrong_warm + wrong_alone}
             results.append(row)
             print(f"{n} spoke(s): WAN {row['wan_bytes_ratio']}x the dataset, cold "

@@ -70,7 +70,7 @@ from spokefs.cache.worker import (
     connect,
 )
 from spokefs.errors import CacheLocked, ConfigError
-from spokefs.policy import BlockKey, EvictionPolicy
+from spokefs.policy import BlockKey, CopiesFirst, EvictionPolicy
 
 log = logging.getLogger(__name__)
 
@@ -243,6 +243,7 @@ class Reservation:
     offset: int
     chunks: bytes = b""
     error: OSError | None = None
+    copy: bool = False  # a tier member's copy of a block another member owns
 
 
 # (reservation, bytes, digest, done callback, the bytes page-aligned and padded or None)
@@ -540,15 +541,20 @@ class BlockStore:
                 self.worker.row(TOUCH_BLOCK, (t, k[0], k[1]))
 
     # -- writes ------------------------------------------------------------------------------
-    def reserve(self, key: BlockKey, size: int, dataset: str) -> Reservation | None:
+    def reserve(self, key: BlockKey, size: int, dataset: str,
+                copy: bool = False) -> Reservation | None:
         """Room for a block about to be written; None when it cannot be kept (already
-        resident, not writable, larger than the cache, or everything else pinned)."""
+        resident, not writable, larger than the cache, or everything else pinned).
+        ``copy``: a copy of a block another tier member owns, which only free room or other
+        copies make room for (``CopiesFirst``; None without it)."""
         need = aligned(size)
         if key in self._records or not self.writable or need > self.capacity:
             return None
+        if copy and not isinstance(self.policy, CopiesFirst):
+            return None
         if self.admit is not None and not self.admit(dataset, size):
             return None  # the dataset's policy keeps it out (served, not kept)
-        if not self._evict_to(self.capacity - need):
+        if not self._evict_to(self.capacity - need, copies_only=copy):
             return None
         prev = self._segs.current
         try:
@@ -561,7 +567,7 @@ class BlockStore:
         self.reserved += need
         self.dataset_reserved[dataset] = self.dataset_reserved.get(dataset, 0) + size
         self._pending[seg.id] = self._pending.get(seg.id, 0) + 1
-        return Reservation(key, size, dataset, seg, offset)
+        return Reservation(key, size, dataset, seg, offset, copy=copy)
 
     def write(self, res: Reservation, data: memoryview, digest: bytes,
               done: Callable[[bool], None] | None = None, chunks: bytes | None = None,
@@ -670,7 +676,10 @@ class BlockStore:
         res.seg.live_bytes += aligned(size)
         self.used += aligned(size)
         self.data_bytes += size
-        self.policy.insert(key, size)
+        if res.copy and isinstance(self.policy, CopiesFirst):
+            self.policy.insert(key, size, copy=True)
+        else:
+            self.policy.insert(key, size)
         self.worker.row(INSERT_BLOCK, (key[0], key[1], res.seg.id, res.offset, size, digest,
                                        res.chunks, res.dataset, now, now))
         for fn in self.events.changed:
@@ -699,11 +708,13 @@ class BlockStore:
             self._write_error_logged = False
 
     # -- eviction ----------------------------------------------------------------------------
-    def _evict_to(self, limit: int) -> bool:
-        """Evict until used + reserved <= limit. False if pinned blocks prevent it."""
+    def _evict_to(self, limit: int, copies_only: bool = False) -> bool:
+        """Evict until used + reserved <= limit. False if pinned blocks prevent it (or,
+        ``copies_only``, the tier copies there are: owned blocks stay)."""
         n, before = 0, self.data_bytes
         while self.used + self.reserved > limit:
-            key = self.policy.victim()
+            key = (self.policy.victim(copies_only=True) if copies_only
+                   and isinstance(self.policy, CopiesFirst) else self.policy.victim())
             if key is None:
                 break
             self._remove(key)
@@ -875,4 +886,6 @@ class BlockStore:
                 "data_bytes": self.data_bytes,
                 "capacity_bytes": self.capacity, "reserved_bytes": self.reserved,
                 "segments": len(self._segs.segments), "writable": self.writable,
-                "policy": self.policy.name}
+                "policy": self.policy.name,
+                **({"tier_copy_bytes": self.policy.copy_bytes}
+                   if isinstance(self.policy, CopiesFirst) else {})}

@@ -161,7 +161,9 @@ def _status(args: argparse.Namespace) -> int:
     tier = doc.get("tier")
     if tier:
         err = tier.get("refresh_error")
-        print(f"  tier       {len(tier['members'])} members ({tier['source']})"
+        copies = (f", copies of others' blocks {format_size(tier.get('copy_bytes', 0))}"
+                  if tier.get("copies") else ", no copies")
+        print(f"  tier       {len(tier['members'])} members ({tier['source']}){copies}"
               f"{', LIST NOT REFRESHED: ' + err if err else ''}")
         for m in tier["members"]:
             print(f"    {m['url']:<40} {m['state']:<8} share {m.get('share', 0):.1%}"

@@ -34,7 +34,7 @@ from __future__ import annotations
 
 import heapq
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import ClassVar, Protocol, TypeVar, runtime_checkable
 
 from spokefs.errors import ConfigError
@@ -56,6 +56,9 @@ class EvictionPolicy(Protocol):
     def victim(self) -> BlockKey | None: ...
     def pin(self, key: BlockKey) -> None: ...
     def unpin(self, key: BlockKey) -> None: ...
+    def pinned(self, key: BlockKey) -> bool: ...
+    def size_of(self, key: BlockKey) -> int | None: ...
+    def resident_keys(self) -> list[BlockKey]: ...
     def __len__(self) -> int: ...
     def __contains__(self, key: object) -> bool: ...
 
@@ -163,6 +166,12 @@ class _PinnedBase:
 
     def pinned(self, key: BlockKey) -> bool:
         return key in self._pins
+
+    def size_of(self, key: BlockKey) -> int | None:
+        return self._sizes.get(key)
+
+    def resident_keys(self) -> list[BlockKey]:
+        return list(self._sizes)
 
     def __len__(self) -> int:
         return len(self._sizes)
@@ -541,3 +550,95 @@ class BeladyPolicy(_PinnedBase):
                 return key
             heapq.heappop(heap)
         return None
+
+
+class CopiesFirst:
+    """A tier member's eviction: the blocks it owns, ordered by its configured policy, and
+    copies of blocks other members own, kept while there is room.
+
+    A member that serves a block another member owns keeps a copy if it can (the next read
+    through it is local, not a hop to the owner), but copies only fill room the owned blocks
+    do not use: every copy leaves before any owned block (least recently used copy first),
+    and a copy is admitted only by evicting other copies (``victim(copies_only=True)``), so
+    the tier's capacity for one regional copy of each block is never spent on a second one.
+    Pins keep owned blocks only: a copy is spare room's guest, and a pin on it (a warm-up or
+    an order read through this member) must not make it crowd out an owned block. The owner
+    holds the block either way; a copy in the middle of being sent keeps its bytes until the
+    send ends (the store's ``hold``).
+
+    Everything else follows the rules of ``EvictionPolicy``; anything else asked of it (an
+    announced future) goes to the owned policy."""
+
+    def __init__(self, owned: EvictionPolicy) -> None:
+        self.owned = owned
+        self.copies = LRUPolicy()
+
+    @property
+    def name(self) -> str:  # type: ignore[override]
+        return self.owned.name
+
+    @property
+    def copy_bytes(self) -> int:
+        return self.copies.resident_bytes
+
+    def insert(self, key: BlockKey, size: int, copy: bool = False) -> None:
+        if copy and key not in self.owned:
+            self.copies.insert(key, size)
+        else:
+            self.copies.remove(key)
+            self.owned.insert(key, size)
+
+    def access(self, key: BlockKey) -> None:
+        (self.copies if key in self.copies else self.owned).access(key)
+
+    def remove(self, key: BlockKey) -> None:
+        self.copies.remove(key)
+        self.owned.remove(key)
+
+    def victim(self, copies_only: bool = False) -> BlockKey | None:
+        key = self.copies.victim()
+        if key is None and not copies_only:
+            key = self.owned.victim()
+        return key
+
+    def pin(self, key: BlockKey) -> None:  # counted by the owned policy, resident there or not
+        self.owned.pin(key)
+
+    def unpin(self, key: BlockKey) -> None:
+        self.owned.unpin(key)
+
+    def pinned(self, key: BlockKey) -> bool:
+        return key in self.owned and self.owned.pinned(key)
+
+    def size_of(self, key: BlockKey) -> int | None:
+        size = self.owned.size_of(key)
+        return self.copies.size_of(key) if size is None else size
+
+    def resident_keys(self) -> list[BlockKey]:
+        return self.owned.resident_keys() + self.copies.resident_keys()
+
+    def reclassify(self, is_copy: Callable[[BlockKey], bool]) -> int:
+        """Move the unpinned owned blocks ``is_copy`` names to the copies (a member that
+        restarts finds every block in its index as owned); how many moved."""
+        moved = 0
+        for key in self.owned.resident_keys():
+            size = self.owned.size_of(key)
+            if size is None or self.owned.pinned(key) or not is_copy(key):
+                continue
+            self.owned.remove(key)
+            self.copies.insert(key, size)
+            moved += 1
+        return moved
+
+    def __getattr__(self, name: str) -> object:  # set_future and the like: the owned policy's
+        return getattr(self.owned, name)
+
+    def __len__(self) -> int:
+        return len(self.owned) + len(self.copies)
+
+    def __contains__(self, key: object) -> bool:
+        return key in self.owned or key in self.copies
+
+    def __repr__(self) -> str:
+        return f"<CopiesFirst owned={self.owned!r} copies={self.copies!r}>"
+

@@ -13,8 +13,9 @@ In a spoke tier (``spoke.tier``), each block has a route: the upstream, or the m
 owns it (a batch read marked ``X-Spokefs-Peer``); batches never mix routes. A member that
 fails or goes silent gives its blocks back to be routed again without it (the next member in
 the block's ranking, then the upstream), at once, with no backoff. A block fetched from
-another member is handed to its readers and held in memory only (``borrowed``), not kept on
-disk: its owner keeps it.
+another member is handed to its readers and kept as a copy where there is spare room (the
+store's ``CopiesFirst``: copies leave before any block this member owns), else held in memory
+a while (``borrowed``): its owner keeps it.
 
 Failures: a connection that fails or goes silent gives back the blocks it did not deliver,
 which are retried with backoff until ``deadline`` seconds after their fetch began, then fail
@@ -597,13 +598,15 @@ class Fetcher:
             self.finished(key, False)
             return
         self.store.set_object_size(key[0], block.object_size)
-        if not f.keep:  # tier: another member owns it and keeps it; held in memory a while
+        # Tier: a block another member owns is kept as a copy if there is spare room, else
+        # held in memory a while (its owner keeps it).
+        res = self.store.reserve(key, block.size, f.dataset, copy=not f.keep)
+        if res is None and not f.keep:
             self._borrow(key, block)
             if not f.future.done():
                 f.future.set_result(block)
             self.finished(key, True)
             return
-        res = self.store.reserve(key, block.size, f.dataset)
         if res is None:
             self._passed(key, block)
             self.finished(key, False)

@@ -49,7 +49,7 @@ from spokefs.integrity import DEFAULT_BLOCK_SIZE, block_count, blocks_in_range
 from spokefs.linkmodel import LinkModel
 from spokefs.manifest import Manifest, is_snapshot_id
 from spokefs.planner import Planner
-from spokefs.policy import POLICIES, BlockKey, EvictionPolicy, make_policy
+from spokefs.policy import POLICIES, BlockKey, CopiesFirst, EvictionPolicy, make_policy
 from spokefs.retry import retrying
 from spokefs.spoke.datasets import DatasetConfig
 from spokefs.spoke.fetcher import Block, Fetcher
@@ -116,7 +116,8 @@ class SpokeConfig:
     tier_timeout: float = 10.0      # a member silent this long is skipped for the next one
     tier_refresh: float = 10.0      # how often a DNS or Kubernetes member list is read again
     tier_token_file: str | None = None  # the token presented to members (default: upstream's)
-    tier_borrow: int = 128 << 20    # blocks got from other members, held in memory only
+    tier_borrow: int = 128 << 20    # blocks got from other members and not kept, in memory
+    tier_copies: bool = True        # keep copies of other members' blocks in spare room
 
     def tls(self) -> tuple[Path, Path] | None:
         return (Path(self.tls_cert), Path(self.tls_key)) if self.tls_cert and self.tls_key \
@@ -164,8 +165,10 @@ class SpokeBackend:
         # Training jobs' step reports: data wait against compute (POST .../jobs/{job}/steps).
         self.jobs = JobSignal()
         self.registry.register(JobMetrics(self.jobs))
-        self.store = BlockStore(config.cache_dir, config.cache_size,
-                                _policy(config.policy, config.cache_size), fsync=config.fsync,
+        policy = _policy(config.policy, config.cache_size)
+        if config.tiered() and config.tier_copies:
+            policy = CopiesFirst(policy)  # copies of other members' blocks, in spare room
+        self.store = BlockStore(config.cache_dir, config.cache_size, policy, fsync=config.fsync,
                                 direct_io=config.direct_io())
         # Metadata (dataset info, manifests): small JSON answers, through aiohttp.
         token = config.upstream_token()
@@ -239,6 +242,13 @@ class SpokeBackend:
         self.audit.watch_store(self.store, self.tasks)  # after the callbacks above: it chains
         self.tasks.keep(LoopLag(self.registry).run, "loop-lag")
         if self.tier is not None:
+            policy = self.store.policy
+            if isinstance(policy, CopiesFirst):  # the index knows no owner: ask the ranking
+                router = self.tier.router
+                moved = policy.reclassify(lambda key: router.owner(key) != router.self_url)
+                if moved:
+                    log.info("tier: %d cached blocks are copies of other members' blocks "
+                             "(they leave first)", moved)
             self.tasks.keep(self.tier.probe_loop, "tier-probes")
             if self.tier.lookup is not None:
                 self.tasks.keep(self.tier.refresh_loop, "tier-members")
@@ -1053,7 +1063,7 @@ class SpokeBackend:
             "prefetch": self.prefetch.stats() if self.prefetch is not None else None,
             "jobs": self.jobs.describe(time.monotonic()),
             "stale": self._stale_status(),
-            "tier": self.tier.status() if self.tier is not None else None,
+            "tier": self._tier_status(),
         }
 
     def _stale_status(self) -> dict[str, object]:
@@ -1065,6 +1075,13 @@ class SpokeBackend:
                 in_use.setdefault(ds, []).append(snap)
         return {"after_s": self.config.stale_after, "passes": self._retire_passes,
                 "snapshots_in_use": in_use}
+
+    def _tier_status(self) -> dict[str, object] | None:
+        if self.tier is None:
+            return None
+        policy = self.store.policy
+        copies = policy.copy_bytes if isinstance(policy, CopiesFirst) else None
+        return {**self.tier.status(), "copies": copies is not None, "copy_bytes": copies or 0}
 
 
 class _Held:

@@ -21,10 +21,14 @@ Two parts:
 
 What a member keeps: blocks it owns (or fetched from the upstream because the owners before
 it in the ranking were down, or because another member asked it as their owner). Blocks it
-got from another member are served and then held only in memory, in a small window
-(``borrow_bytes``, most recently used first), so the read that follows a prefetch or a
-same-host mount's ``locate`` finds them; the tier keeps one regional copy of each block, and
-the sum of the members' disks is the tier's capacity.
+got from another member are served and then kept as *copies* in room its own blocks leave
+free (``--tier-copies``, on by default; ``spokefs.policy.CopiesFirst``): a copy is admitted
+only by evicting other copies and leaves before any owned block, so the next read through
+this member is local while the disks have room, and the tier still holds one regional copy
+of each block once they do not: the sum of the members' disks stays the tier's capacity.
+A block not kept as a copy is held in memory, in a small window (``borrow_bytes``, most
+recently used first), so the read that follows a prefetch or a same-host mount's
+``locate`` finds it.
 """
 
 from __future__ import annotations

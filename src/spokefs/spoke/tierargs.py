@@ -38,9 +38,13 @@ def add_tier_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--tier-token-file", type=Path, metavar="FILE",
                    help="the token this member presents to the others (default: "
                    "--upstream-token-file's); their --auth files must hold it")
+    g.add_argument("--tier-copies", action=argparse.BooleanOptionalAction, default=True,
+                   help="keep a copy of each block got from another member while there is "
+                   "room (the next read through this member is local); copies only use room "
+                   "this member's own blocks leave free, and leave first (default: on)")
     g.add_argument("--tier-borrow", type=parse_size, default=128 << 20, metavar="SIZE",
-                   help="blocks got from other members are held in memory, up to this much "
-                   "(default 128MiB), not kept on disk: their owner keeps them")
+                   help="blocks got from other members and not kept as copies are held in "
+                   "memory, up to this much (default 128MiB)")
 
 
 def tier_config(args: argparse.Namespace, host: str, port: int, tls: bool) -> dict[str, Any]:
@@ -73,4 +77,4 @@ def tier_config(args: argparse.Namespace, host: str, port: int, tls: bool) -> di
             "tier_timeout": args.tier_timeout, "tier_refresh": args.tier_refresh,
             "tier_token_file": (str(args.tier_token_file.absolute())
                                 if args.tier_token_file else None),
-            "tier_borrow": args.tier_borrow}
+            "tier_borrow": args.tier_borrow, "tier_copies": args.tier_copies}
