@@ -126,3 +126,30 @@ def test_race_tiny_s3_origin(tmp_path: Path) -> None:
         assert by[("http_direct", ds, 2, "warm")]["link_bytes"] >= sizes[ds]
     assert by[("spokefs", "small", 1, "walk")]["link_bytes"] == 0
     assert "origin s3" in (tmp_path / "out" / "table.md").read_text()
+
+
+@pytest.mark.skipif(fuse_unusable() is not None, reason=f"no FUSE: {fuse_unusable()}")
+def test_race_on_a_store_of_ones_own(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``--s3-endpoint``: the datasets go to a store the user runs (here a moto this test
+    starts, standing in for MinIO or S3), with the credentials AWS tools find."""
+    for module in ("boto3", "obstore", "moto"):
+        pytest.importorskip(module)
+    from spokefs_bench.s3server import TEST_ENV, S3Server
+
+    for k, v in TEST_ENV.items():
+        monkeypatch.setenv(k, v)
+    with S3Server() as store:
+        doc = run(tmp_path / "out", "--work-dir", str(tmp_path / "work"), "--origin", "s3",
+                  "--s3-endpoint", store.url, "--s3-bucket", "mine", "--datasets", "small",
+                  "--tools", "spokefs", "--rtt", "10ms", "--small-files", "12",
+                  "--small-size", "16KiB", "--small-dirs", "2", "--readers", "2", "--no-walk",
+                  "--timeout", "60s", "--verify")
+        import boto3
+
+        keys = [o["Key"] for o in boto3.client("s3", endpoint_url=store.url).list_objects_v2(
+            Bucket="mine", Prefix="small/")["Contents"]]
+    assert len(keys) == 12
+    assert doc["params"]["s3_endpoint"] == store.url
+    for r in doc["results"]:
+        assert r["error"] is None and r["files_done"] == 12, r
+        assert "s3" not in r["cpu_s"]  # not a process of the bench

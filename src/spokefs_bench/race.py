@@ -115,6 +115,12 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="what the hub serves: dir (the datasets' folders; the default) or s3 "
                    "(the datasets put in a bucket of a local S3 server, moto, and a hub over "
                    "the bucket; the same link in front)")
+    p.add_argument("--s3-endpoint", metavar="URL",
+                   help="--origin s3 on an S3-compatible store of your own (MinIO, Ceph RGW, "
+                   "https://s3.REGION.amazonaws.com) instead of moto: the datasets are put "
+                   "there with the credentials AWS tools find (environment, profile, role)")
+    p.add_argument("--s3-bucket", default=S3_BUCKET, metavar="NAME",
+                   help=f"the bucket --origin s3 uses (default {S3_BUCKET}; made if missing)")
     p.add_argument("--no-tokens", action="store_true",
                    help="hub and spoke without --auth (default: with tokens, as deployed; "
                    "every tool presents one)")
@@ -144,6 +150,8 @@ class Params:
     mount_args: list[str]
     tokens: bool = True
     origin: str = "dir"
+    s3_endpoint: str | None = None  # --origin s3: a store of the user's, not moto
+    s3_bucket: str = S3_BUCKET
 
     @classmethod
     def from_args(cls, a: argparse.Namespace) -> Params:
@@ -160,6 +168,8 @@ class Params:
         def pick(value: Any, full: Any, small: Any) -> Any:
             return value if value is not None else (small if quick else full)
 
+        if a.s3_endpoint and a.origin != "s3":
+            raise SystemExit("spokefs bench race: --s3-endpoint is for --origin s3")
         return cls(rtt=a.rtt, bandwidth=a.bandwidth,
                    shards=pick(a.shards, 128, 8), shard_size=pick(a.shard_size, 8 << 20, 4 << 20),
                    small_files=pick(a.small_files, 4000, 120),
@@ -169,7 +179,8 @@ class Params:
                    tools=tools, timeout=pick(a.timeout, 300.0, 60.0), skip_slow=a.skip_slow,
                    walk=not a.no_walk, verify=a.verify, seed=a.seed,
                    spoke_args=list(a.spoke_arg), mount_args=list(a.mount_arg),
-                   tokens=not a.no_tokens, origin=a.origin)
+                   tokens=not a.no_tokens, origin=a.origin,
+                   s3_endpoint=a.s3_endpoint, s3_bucket=a.s3_bucket)
 
 
 @dataclass
@@ -258,6 +269,14 @@ class Link:
 
     def status(self) -> dict[str, Any]:
         return self._call("GET", "/status")
+
+
+@dataclass(frozen=True)
+class OwnStore:
+    """``--s3-endpoint``: an S3-compatible store the user runs (no process of ours)."""
+
+    url: str
+    pid: int | None = None
 
 
 @dataclass
@@ -711,7 +730,9 @@ class Race:
         tokens = BenchTokens.make(self.work / "auth") if self.p.tokens else None
         s3 = None
         try:
-            if self.p.origin == "s3":
+            if self.p.origin == "s3" and self.p.s3_endpoint:
+                s3 = OwnStore(self.p.s3_endpoint)  # its CPU is not ours to count
+            elif self.p.origin == "s3":
                 from spokefs_bench.s3server import S3Server
 
                 # Its request lines go to a file, not to memory: a run makes many.
@@ -741,20 +762,21 @@ class Race:
         from spokefs.procs import Service
         from spokefs_bench.s3server import TEST_ENV, bucket_hub_args, upload_tree
 
+        bucket, own = self.p.s3_bucket, isinstance(s3, OwnStore)
         t0 = time.perf_counter()
-        put = upload_tree(s3.url, S3_BUCKET, ds.root, ds.name)
-        self.log(f"{ds.name}: {format_size(put)} put in s3://{S3_BUCKET}/{ds.name}/ in "
+        put = upload_tree(s3.url, bucket, ds.root, ds.name, test_keys=not own)
+        self.log(f"{ds.name}: {format_size(put)} put in s3://{bucket}/{ds.name}/ in "
                  f"{time.perf_counter() - t0:.1f} s")
         state = self.work / f"hubstate-s3-{ds.name}"
         shutil.rmtree(state, ignore_errors=True)
-        return Service(bucket_hub_args(S3_BUCKET, ds.name, state, s3.url) + auth,
-                       env=TEST_ENV)
+        return Service(bucket_hub_args(bucket, ds.name, state, s3.url) + auth,
+                       env=None if own else TEST_ENV)
 
     def _procs(self, served: Served, tool: Tool) -> dict[str, int | None]:
         pids: dict[str, int | None] = {
             "hub": served.hub.proc.pid if served.hub.proc else None,
             "wan": served.wan.proc.pid if served.wan.proc else None}
-        if served.s3 is not None:
+        if served.s3 is not None and served.s3.pid is not None:  # moto: ours to count
             pids["s3"] = served.s3.pid
         pids.update(tool.pids())
         return pids
@@ -1048,6 +1070,7 @@ def run(args: argparse.Namespace) -> int:
                    "readers": p.readers, "tools": p.tools, "timeout_s": p.timeout,
                    "skip_slow": p.skip_slow, "seed": p.seed, "spoke_args": p.spoke_args,
                    "mount_args": p.mount_args, "tokens": p.tokens, "origin": p.origin,
+                   "s3_endpoint": p.s3_endpoint,
                    "dataset_bytes": {d.name: d.bytes for d in datasets},
                    "dataset_files": {d.name: len(d.paths) for d in datasets}},
         "results": race.results,

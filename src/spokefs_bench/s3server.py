@@ -54,18 +54,25 @@ class S3Server(Child):
 
 
 def upload_tree(endpoint: str, bucket: str, root: Path, prefix: str,
-                threads: int = 8) -> int:
+                threads: int = 8, test_keys: bool = True) -> int:
     """Put every file under ``root`` into ``bucket`` as ``prefix/relative/path`` (the bucket
-    is made if missing); returns the bytes put. For benchmarks, with the test keys."""
+    is made if missing); returns the bytes put. For benchmarks: with the test keys, or
+    (``test_keys=False``, a store of the user's) the credentials AWS tools find."""
     from concurrent.futures import ThreadPoolExecutor
 
     import boto3
 
-    c = boto3.client("s3", endpoint_url=endpoint, region_name=TEST_ENV["AWS_REGION"],
-                     aws_access_key_id=TEST_ENV["AWS_ACCESS_KEY_ID"],
-                     aws_secret_access_key=TEST_ENV["AWS_SECRET_ACCESS_KEY"])
+    if test_keys:
+        c = boto3.client("s3", endpoint_url=endpoint, region_name=TEST_ENV["AWS_REGION"],
+                         aws_access_key_id=TEST_ENV["AWS_ACCESS_KEY_ID"],
+                         aws_secret_access_key=TEST_ENV["AWS_SECRET_ACCESS_KEY"])
+    else:
+        c = boto3.Session().client("s3", endpoint_url=endpoint)
+    region = c.meta.region_name
+    where = ({} if region in (None, "us-east-1")
+             else {"CreateBucketConfiguration": {"LocationConstraint": region}})
     try:
-        c.create_bucket(Bucket=bucket)
+        c.create_bucket(Bucket=bucket, **where)
     except c.exceptions.BucketAlreadyOwnedByYou:
         pass
     files = sorted(p for p in root.rglob("*") if p.is_file())
