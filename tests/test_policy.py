@@ -423,12 +423,15 @@ def test_pins_keep_owned_blocks_not_copies() -> None:
     assert p.victim() == k(2)
 
 
-def test_copies_found_at_start_are_reclassified_by_owner() -> None:
+def test_copies_are_reclassified_by_owner() -> None:
     p = CopiesFirst(make_policy("s3fifo"))
     fill(p, 6)  # the index knows no owner: everything comes back as owned
     p.pin(k(4))
-    assert p.reclassify(lambda key: key[1] % 2 == 0) == 2  # 0 and 2; 4 is pinned
+    assert p.reclassify(p.resident_keys(), lambda key: key[1] % 2 == 0) == 2  # 4 is pinned
     assert p.copy_bytes == 2 * MiB and len(p) == 6
     assert sorted(p.resident_keys()) == [k(i) for i in range(6)]
     assert {p.victim(copies_only=True)} <= {k(0), k(2)}
-    assert sorted(drain(p)[:2]) == [k(0), k(2)]
+    # Members changed: 0 is this member's now, 1 another's; keys not resident are skipped.
+    assert p.reclassify([k(0), k(1), k(99)], lambda key: key[1] != 0) == 2
+    assert p.victim(copies_only=True) in {k(1), k(2)} and p.copy_bytes == 2 * MiB
+    assert sorted(drain(p)[:2]) == [k(1), k(2)]

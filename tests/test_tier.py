@@ -281,7 +281,7 @@ def test_members_keep_copies_in_spare_room_and_read_them_locally(tmp_path: Path)
                       big_sizes=(9_000_000, 5_000_000))
     files = files_of(ds)
     total = sum(len(d) for _, d in files)
-    with make_tier(tmp_path, ds, "1GiB") as (wan, urls, _):
+    with make_tier(tmp_path, ds, "1GiB") as (wan, urls, member):
         a = urls[0]
         assert status(a)["tier"]["copies"] is True
         wan.reset()
@@ -300,6 +300,11 @@ def test_members_keep_copies_in_spare_room_and_read_them_locally(tmp_path: Path)
         assert errors == [] and wan.bytes_down() == 0
         assert metric(a, "spokefs_tier_peer_blocks_total") == peer_blocks  # all local
         assert [metric(u, "spokefs_tier_served_bytes_total") for u in urls] == served
+        # A restarted member's index does not say which blocks are copies: the ranking does.
+        member(0).stop()
+        member(0).start()
+        wait_until("A to class its copies again",
+                   lambda: owned_and_copies([a])[1] == [copies[0]])
 
 
 def test_copies_never_push_out_a_block_its_member_owns(tmp_path: Path) -> None:
@@ -376,6 +381,7 @@ def test_a_refreshed_member_list_moves_shares_and_a_failed_look_up_keeps_the_las
 
     answers: list[list[str] | Exception] = [[A, B], OSError("no DNS"), [A, C]]
     seen: list[list[str]] = []
+    changes: list[list[str]] = []  # what on_change saw (the spoke reclassifies its copies)
 
     def lookup() -> list[str]:
         a = answers.pop(0) if answers else [A, C]
@@ -387,6 +393,7 @@ def test_a_refreshed_member_list_moves_shares_and_a_failed_look_up_keeps_the_las
         tier = Tier(A, [A], CollectorRegistry(), token=None, lookup=lookup, source="dns",
                     refresh=0.01)
         tier.client(B)  # a member client, closed when B leaves the list
+        tier.on_change = lambda: changes.append(tier.router.members)
         task = asyncio.create_task(tier.refresh_loop())
         for _ in range(500):
             seen.append(tier.router.members)
@@ -402,6 +409,7 @@ def test_a_refreshed_member_list_moves_shares_and_a_failed_look_up_keeps_the_las
     asyncio.run(main())
     assert [A, B] in seen  # the failed look-up in between kept [A, B], never an empty list
     assert all(m for m in seen)
+    assert changes == [[A, B], [A, C]]  # once per change, not per look-up
 
 
 def test_tier_options_are_checked() -> None:

@@ -34,7 +34,7 @@ from __future__ import annotations
 
 import heapq
 from collections import OrderedDict
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import ClassVar, Protocol, TypeVar, runtime_checkable
 
 from spokefs.errors import ConfigError
@@ -617,17 +617,26 @@ class CopiesFirst:
     def resident_keys(self) -> list[BlockKey]:
         return self.owned.resident_keys() + self.copies.resident_keys()
 
-    def reclassify(self, is_copy: Callable[[BlockKey], bool]) -> int:
-        """Move the unpinned owned blocks ``is_copy`` names to the copies (a member that
-        restarts finds every block in its index as owned); how many moved."""
+    def reclassify(self, keys: Iterable[BlockKey], is_copy: Callable[[BlockKey], bool]) -> int:
+        """Put each of ``keys`` (resident ones; others are skipped) in the class ``is_copy``
+        says: a member that restarts finds every block in its index as owned, and when
+        members join or leave, blocks change owners. Pinned owned blocks stay owned. How
+        many moved."""
         moved = 0
-        for key in self.owned.resident_keys():
-            size = self.owned.size_of(key)
-            if size is None or self.owned.pinned(key) or not is_copy(key):
+        for key in keys:
+            copy = is_copy(key)
+            size = self.copies.size_of(key)
+            if size is not None:
+                if not copy:
+                    self.copies.remove(key)
+                    self.owned.insert(key, size)
+                    moved += 1
                 continue
-            self.owned.remove(key)
-            self.copies.insert(key, size)
-            moved += 1
+            size = self.owned.size_of(key)
+            if size is not None and copy and not self.owned.pinned(key):
+                self.owned.remove(key)
+                self.copies.insert(key, size)
+                moved += 1
         return moved
 
     def __getattr__(self, name: str) -> object:  # set_future and the like: the owned policy's

@@ -242,13 +242,10 @@ class SpokeBackend:
         self.audit.watch_store(self.store, self.tasks)  # after the callbacks above: it chains
         self.tasks.keep(LoopLag(self.registry).run, "loop-lag")
         if self.tier is not None:
-            policy = self.store.policy
-            if isinstance(policy, CopiesFirst):  # the index knows no owner: ask the ranking
-                router = self.tier.router
-                moved = policy.reclassify(lambda key: router.owner(key) != router.self_url)
-                if moved:
-                    log.info("tier: %d cached blocks are copies of other members' blocks "
-                             "(they leave first)", moved)
+            if isinstance(self.store.policy, CopiesFirst):
+                # The index knows no owner: ask the ranking now and whenever it changes.
+                self.tier.on_change = self._members_changed
+                self._members_changed()
             self.tasks.keep(self.tier.probe_loop, "tier-probes")
             if self.tier.lookup is not None:
                 self.tasks.keep(self.tier.refresh_loop, "tier-members")
@@ -1075,6 +1072,26 @@ class SpokeBackend:
                 in_use.setdefault(ds, []).append(snap)
         return {"after_s": self.config.stale_after, "passes": self._retire_passes,
                 "snapshots_in_use": in_use}
+
+    def _members_changed(self) -> None:
+        self.tasks.spawn(self._reclassify_copies(), "tier-copies")
+
+    async def _reclassify_copies(self) -> None:
+        """Which cached blocks are copies of other members' blocks (they leave first) and
+        which this member owns, by the ranking: at start (the index does not say) and when
+        members join or leave. In slices: millions of blocks, readers go on meanwhile."""
+        policy, tier = self.store.policy, self.tier
+        assert isinstance(policy, CopiesFirst) and tier is not None
+        router = tier.router
+        keys = policy.resident_keys()
+        moved = 0
+        for i in range(0, len(keys), 20_000):
+            moved += policy.reclassify(keys[i:i + 20_000],
+                                       lambda key: router.owner(key) != router.self_url)
+            await asyncio.sleep(0)
+        if moved:
+            log.info("tier: %d cached blocks changed class (copies of other members' blocks "
+                     "leave first; %s of copies now)", moved, format_size(policy.copy_bytes))
 
     def _tier_status(self) -> dict[str, object] | None:
         if self.tier is None:

@@ -186,6 +186,7 @@ class Tier:
         self.source = source
         self.refresh = refresh
         self.borrow_bytes = borrow_bytes
+        self.on_change: Callable[[], None] | None = None  # the member list changed
         self.metrics = TierMetrics(registry)
         for st in State:
             self.metrics.members.labels(str(st)).set_function(
@@ -271,6 +272,8 @@ class Tier:
             log.info("tier members changed: +%s -%s (%d members)", added or "[]",
                      removed or "[]", len(self.router.members),
                      extra={"event": "tier_members", "added": added, "removed": removed})
+            if self.on_change is not None:
+                self.on_change()
         for url in removed:
             c = self._clients.pop(url, None)
             if c is not None:
