@@ -293,6 +293,9 @@ def test_members_keep_copies_in_spare_room_and_read_them_locally(tmp_path: Path)
             status(u)["cache"]["data_bytes"] == total for u in urls))
         owned, copies = owned_and_copies(urls)
         assert sum(owned) == total and all(c > 0 for c in copies), (owned, copies)
+        top = subprocess.run([sys.executable, "-m", "spokefs.cli", "top", "--once", a],
+                             check=True, capture_output=True, text=True).stdout
+        assert "3 members (static)  copies" in top and "(this member)" in top, top
         peer_blocks = metric(a, "spokefs_tier_peer_blocks_total")
         served = [metric(u, "spokefs_tier_served_bytes_total") for u in urls]
         wan.reset()

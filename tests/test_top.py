@@ -109,6 +109,33 @@ def test_training_section_only_when_jobs_report() -> None:
     assert "training job" in text and "12.5%" in text and "87.5%" in text
 
 
+def test_tier_section_only_for_a_member() -> None:
+    assert "tier" not in frame(sample(STATUS, METRICS, 1.0))
+    me, other = "http://10.0.0.1:8471", "http://10.0.0.2:8471"
+    st = {**STATUS, "tier": {"self": me, "source": "kubernetes", "refresh_error": None,
+                             "copies": True, "copy_bytes": 5 << 20, "members": [
+                                 {"url": me, "state": "up", "share": 0.5, "self": True},
+                                 {"url": other, "state": "down", "share": 0.5}]}}
+    tier_metrics = METRICS + f"""\
+# TYPE spokefs_tier_peer_bytes counter
+spokefs_tier_peer_bytes_total{{peer="{other}"}} 2097152.0
+# TYPE spokefs_tier_peer_requests counter
+spokefs_tier_peer_requests_total{{peer="{other}",outcome="answered"}} 9.0
+spokefs_tier_peer_requests_total{{peer="{other}",outcome="timed_out"}} 2.0
+spokefs_tier_peer_requests_total{{peer="{other}",outcome="failed"}} 1.0
+# TYPE spokefs_tier_served_bytes counter
+spokefs_tier_served_bytes_total 1048576.0
+"""
+    doc = frame(sample(st, tier_metrics, 1.0))
+    t = doc["tier"]
+    assert t["copy_bytes"] == 5 << 20 and t["served_bytes"] == 1 << 20
+    assert t["members"][1] == {"url": other, "state": "down", "share": 0.5, "self": False,
+                               "received_bytes": 2 << 20, "failed_requests": 3.0}
+    text = render(doc)
+    assert "2 members (kubernetes)  copies 5.0 MiB" in text, text
+    assert "(this member)" in text and "down" in text and "2.0 MiB" in text
+
+
 def test_quantile_interpolates_like_prometheus() -> None:
     buckets = [(0.05, 0.0), (0.1, 10.0), (float("inf"), 10.0)]
     assert quantile(buckets, 0.5) == pytest.approx(0.075)

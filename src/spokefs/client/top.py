@@ -198,6 +198,24 @@ def frame(s: Sample, prev: Sample | None = None) -> dict[str, Any]:
         "datasets": datasets,
         "working_sets": working_sets,
     }
+    tier = st.get("tier")
+    if tier:  # a member of a spoke tier: the members, and what crosses between them
+        got = by_label(m, "spokefs_tier_peer_bytes_total", "peer")
+        failed = {}
+        for lab, v in m.get("spokefs_tier_peer_requests_total", ()):
+            if lab.get("outcome") in ("failed", "timed_out"):
+                failed[lab.get("peer", "")] = failed.get(lab.get("peer", ""), 0.0) + v
+        doc["tier"] = {
+            "source": tier.get("source"), "refresh_error": tier.get("refresh_error"),
+            "copies": tier.get("copies"), "copy_bytes": tier.get("copy_bytes"),
+            "served_bytes": total(m, "spokefs_tier_served_bytes_total"),
+            "served_bytes_per_s": rate("spokefs_tier_served_bytes_total"),
+            "received_bytes_per_s": rate("spokefs_tier_peer_bytes_total"),
+            "members": [{"url": x["url"], "state": x["state"], "share": x.get("share"),
+                         "self": bool(x.get("self")),
+                         "received_bytes": got.get(x["url"], 0.0),
+                         "failed_requests": failed.get(x["url"], 0.0)}
+                        for x in tier.get("members") or ()]}
     if st.get("jobs"):  # training-side step reports, where jobs send them
         doc["training"] = [{k: j.get(k) for k in ("dataset", "job", "steps", "data_wait_share",
                                                    "utilisation")} for j in st["jobs"]]
@@ -293,6 +311,20 @@ def render(doc: dict[str, Any], note: str = "") -> str:
                          _size(j["kept_bytes"]), _pct(j["resident_share"]), order])
         lines += ["", table(rows, ["job", "working set", "kept", "kept resident",
                                    "order read"])]
+    if doc.get("tier"):
+        tr = doc["tier"]
+        copies = (f"copies {_size(tr['copy_bytes'])}" if tr["copies"] else "no copies")
+        lines += ["", f"tier      {len(tr['members'])} members ({tr['source']})  {copies}  "
+                  f"served to members {_size(tr['served_bytes'])} "
+                  f"({_rate(tr['served_bytes_per_s'])})  from members "
+                  f"{_rate(tr['received_bytes_per_s'])}"
+                  + (f"  LIST NOT REFRESHED: {tr['refresh_error']}"
+                     if tr["refresh_error"] else "")]
+        rows = [[x["url"] + ("  (this member)" if x["self"] else ""), x["state"],
+                 _pct(x["share"]), "-" if x["self"] else _size(x["received_bytes"]),
+                 "-" if x["self"] else _n(x["failed_requests"])] for x in tr["members"]]
+        lines.append(table(rows, ["member", "state", "share", "got from it",
+                                  "failed requests"]))
     if doc.get("training"):
         rows = [[f"{j['dataset']}/{j['job']}", _n(j["steps"]), _pct(j["data_wait_share"]),
                  _pct(j["utilisation"])] for j in doc["training"]]
