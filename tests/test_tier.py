@@ -249,6 +249,11 @@ def test_three_spokes_share_one_copy_and_survive_a_member(tier3) -> None:
     wait_until("A to see B down", lambda: any(
         m["url"] == b and m["state"] == "down" for m in status(a)["tier"]["members"]))
     assert metric(a, "spokefs_tier_peer_requests_total", peer=b, outcome="failed") > 0
+    # A purge through A cannot reach B: it says so and fails (of a dataset nobody holds).
+    p = subprocess.run([sys.executable, "-m", "spokefs.cli", "purge", f"{a}/other"],
+                       capture_output=True, text=True)
+    assert p.returncode == 1 and f"{b}: NOT PURGED" in p.stderr, (p.stdout, p.stderr)
+    assert "on 2 of 3 tier members" in p.stdout
 
     # 3. B comes back on the same port and cache; A and C find it (probes) and it takes its
     # share again from the cache it kept: an epoch through all three moves ~nothing more.
@@ -308,6 +313,11 @@ def test_members_keep_copies_in_spare_room_and_read_them_locally(tmp_path: Path)
         member(0).start()
         wait_until("A to class its copies again",
                    lambda: owned_and_copies([a])[1] == [copies[0]])
+        # A purge through one member purges the tier: shares and copies alike.
+        out = subprocess.run([sys.executable, "-m", "spokefs.cli", "purge", f"{a}/ds"],
+                             check=True, capture_output=True, text=True).stdout
+        assert "on 3 of 3 tier members" in out, out
+        assert [status(u)["cache"]["data_bytes"] for u in urls] == [0, 0, 0]
 
 
 def test_copies_never_push_out_a_block_its_member_owns(tmp_path: Path) -> None:
@@ -336,6 +346,10 @@ def test_copies_never_push_out_a_block_its_member_owns(tmp_path: Path) -> None:
             cache = status(u)["cache"]
             assert cache["used_bytes"] <= capacity and cache["data_bytes"] < total, cache
         assert sum(metric(u, "spokefs_cache_evictions_total") for u in urls) > 0
+        held = [status(u)["cache"]["data_bytes"] for u in urls]
+        subprocess.run([sys.executable, "-m", "spokefs.cli", "purge", "--this-member-only",
+                        f"{urls[0]}/ds"], check=True, capture_output=True)
+        assert [status(u)["cache"]["data_bytes"] for u in urls] == [0, *held[1:]]
 
 
 def post(base: str, path: str, doc: dict) -> dict:

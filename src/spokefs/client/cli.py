@@ -54,6 +54,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     purge.add_argument("url", metavar="URL")
     purge.add_argument("paths", nargs="*", metavar="PATH",
                        help="files or folders of the dataset (default: all of it)")
+    purge.add_argument("--this-member-only", action="store_true",
+                       help="on a member of a spoke tier, purge it alone (default: every "
+                       "member, each holding its share and copies of others' blocks)")
     purge.set_defaults(func=_purge)
 
     inv = sub.add_parser("inventory", help="what a spoke holds, per dataset and snapshot",
@@ -180,7 +183,7 @@ def _top(args: argparse.Namespace) -> int:
 def _purge(args: argparse.Namespace) -> int:
     from spokefs.client.sync import Client
     from spokefs.client.urls import parse_url
-    from spokefs.errors import ConfigError
+    from spokefs.errors import ConfigError, SpokeError, Transient
 
     if "/" in args.url.split("://", 1)[-1].strip("/"):
         u = parse_url(args.url)
@@ -195,9 +198,34 @@ def _purge(args: argparse.Namespace) -> int:
         doc["paths"] = args.paths
         if u.snapshot not in (None, "latest"):
             doc["snapshot"] = u.snapshot
-    r = Client(base).post_json("/v1/purge", doc)
+    client = Client(base)
+    r = client.post_json("/v1/purge", doc)
     what = f"{r['files']} files" if args.paths else (ds or "everything")
-    print(f"freed {format_size(r['freed_bytes'])} ({what})")
+    tier = None if args.this_member_only else client.get_json("/v1/status").get("tier")
+    if not tier:
+        print(f"freed {format_size(r['freed_bytes'])} ({what})")
+        return 0
+    # A tier: each member holds its share of the blocks, and copies of others'.
+    freed, failed = int(r["freed_bytes"]), []
+    print(f"{base}: freed {format_size(r['freed_bytes'])}")
+    for m in tier["members"]:
+        if m.get("self"):
+            continue
+        try:
+            # A member that is down is reported within 10 s, not the default 30.
+            got = Client(m["url"], deadline=10.0).post_json("/v1/purge", doc)
+        except (SpokeError, Transient) as exc:
+            failed.append(m["url"])
+            print(f"{m['url']}: NOT PURGED: {exc}", file=sys.stderr)
+            continue
+        freed += int(got["freed_bytes"])
+        print(f"{m['url']}: freed {format_size(got['freed_bytes'])}")
+    print(f"freed {format_size(freed)} ({what}) on {len(tier['members']) - len(failed)} of "
+          f"{len(tier['members'])} tier members")
+    if failed:
+        print("the members not purged keep those blocks until purged again, or until "
+              "--stale-after once the files change at the source", file=sys.stderr)
+        return 1
     return 0
 
 
