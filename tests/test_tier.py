@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import shutil
 import signal
 import socket
 import subprocess
@@ -82,6 +83,27 @@ def test_members_joining_move_only_their_share() -> None:
     assert all(r.owner(k) == "http://d:1" for k in moved)
     assert 0.2 < len(moved) / len(before) < 0.3  # ~1/4
     assert r.shares()["http://d:1"] == pytest.approx(0.25)
+
+
+def test_a_handoff_asks_the_next_member_for_a_copy_first() -> None:
+    r = TierRouter(A, [A, B, C], 0.0)
+    mine = next(k for k in keys(200) if r.owner(k) == A)
+    assert r.route(mine, 1.0) == UPSTREAM_KEEP and r.route(mine, 1.0, direct=True).peer is None
+    r.open_handoff(1.0, 60.0)
+    first = r.route(mine, 2.0)
+    assert first.handoff and first.keep and first.peer in (B, C)
+    assert first.queue_route == f"copy {first.peer}"
+    assert r.route(mine, 2.0, direct=True) == first  # a member asked: a copy first, too
+    other = ({B, C} - {first.peer}).pop()
+    assert r.route(mine, 2.0, tried=[first.peer]).peer == other  # no copy there: the next
+    assert r.route(mine, 2.0, tried=[B, C]) == UPSTREAM_KEEP
+    theirs = next(k for k in keys(200) if r.owner(k) == B)
+    assert r.route(theirs, 2.0) == Route(B, False)  # others' blocks: as ever
+    assert r.route(mine, 62.0) == UPSTREAM_KEEP  # the window ended
+    r.open_handoff(70.0, 60.0)
+    for _ in range(TierRouter.HANDOFF_TRIAL):  # a tier filling cold: nobody holds copies
+        r.handoff_result(False)
+    assert r.route(mine, 71.0) == UPSTREAM_KEEP
 
 
 def test_a_member_always_counts_itself() -> None:
@@ -313,6 +335,16 @@ def test_members_keep_copies_in_spare_room_and_read_them_locally(tmp_path: Path)
         member(0).start()
         wait_until("A to class its copies again",
                    lambda: owned_and_copies([a])[1] == [copies[0]])
+        # C's node is replaced: it comes back empty, and takes its share from the copies the
+        # others hold (a handoff), not over the WAN.
+        member(2).stop()
+        shutil.rmtree(tmp_path / "cache2")
+        member(2).start()
+        wan.reset()
+        in_threads(*(lambda u=u: read_epoch(u, files, errors) for u in urls))
+        assert errors == [] and wan.bytes_down() < 0.02 * total, wan.bytes_down()
+        assert metric(urls[2], "spokefs_tier_handoff_blocks_total", outcome="found") > 0
+        wait_until("C to hold its share again", lambda: owned_and_copies(urls)[0] == owned)
         # A purge through one member purges the tier: shares and copies alike.
         out = subprocess.run([sys.executable, "-m", "spokefs.cli", "purge", f"{a}/ds"],
                              check=True, capture_output=True, text=True).stdout

@@ -54,7 +54,7 @@ from spokefs.policy import BlockKey
 from spokefs.retry import backoff_delays
 from spokefs.spoke.fetchqueue import QUEUED, Batch, Entry, FetchQueue
 from spokefs.spoke.metrics import SpokeMetrics
-from spokefs.spoke.tier import Tier
+from spokefs.spoke.tier import Tier, route_peer
 from spokefs.tier.membership import State
 from spokefs.wire.frames import FrameHeader
 from spokefs.wire.headers import H_PEER
@@ -245,7 +245,9 @@ class Fetcher:
         ``direct``: another tier member asks; only the upstream may be asked for it."""
         f = self._fetches.get(key)
         if f is not None:
-            if direct and f.entry.route is not None:
+            # Out to the member that owns it (not a handoff, which asks a member's cache and
+            # never goes further): a member's request does not wait on a member for a member.
+            if direct and f.entry.route is not None and not f.keep:
                 if f.entry.state != QUEUED:  # out to a member: a fetch of its own
                     d = self._direct.get(key)
                     if d is not None:
@@ -290,7 +292,7 @@ class Fetcher:
         if self.tier is None:
             return
         r = self.tier.route(f.key, f.tried, f.direct)
-        entry.route, f.keep = r.peer, r.keep
+        entry.route, f.keep = r.queue_route, r.keep
 
     def fetching(self, key: BlockKey) -> bool:
         return key in self._fetches or key in self._direct
@@ -455,8 +457,9 @@ class Fetcher:
         """A batch read from the tier member that owns these blocks (marked, so it asks no
         other member). A member that fails, goes silent or refuses us gives the blocks it did
         not deliver back to be routed without it, at once."""
-        tier, peer = self.tier, batch.route
-        assert tier is not None and peer is not None
+        tier = self.tier
+        assert tier is not None and batch.route is not None
+        peer, handoff = route_peer(batch.route)
         body = json.dumps({"blocks": [list(f.key) for f in fetches]}).encode()
         bufs: dict[int, memoryview] = {}
         done: set[int] = set()
@@ -474,7 +477,10 @@ class Fetcher:
                 raise ValueError(f"frame {h.seq} was not asked for or came twice")
             done.add(h.seq)
             f = fetches[h.seq]
-            if h.status >= 500:  # the member could not get it: the next one, or upstream
+            if handoff:
+                tier.handoff_result(h.status == 200)
+            if h.status >= 500:  # the member could not get it (or holds no copy): the next
+                # one, or the upstream
                 self._reroute([f], peer)
                 return
             if h.status == 200:
@@ -491,7 +497,8 @@ class Fetcher:
         try:
             await tier.client(peer).read_blocks(
                 f"/v1/datasets/{batch.group}/blocks", body, begin, end, progress=arrived,
-                headers={H_PEER: "prefetch" if batch.prefetch else "demand"})
+                headers={H_PEER: "copy" if handoff else
+                         "prefetch" if batch.prefetch else "demand"})
         except Transient as exc:
             failure = str(exc)
         except SpokeError as exc:

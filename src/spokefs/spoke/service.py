@@ -118,6 +118,7 @@ class SpokeConfig:
     tier_token_file: str | None = None  # the token presented to members (default: upstream's)
     tier_borrow: int = 128 << 20    # blocks got from other members and not kept, in memory
     tier_copies: bool = True        # keep copies of other members' blocks in spare room
+    tier_handoff: float = 600.0     # empty at start, or members changed: ask others first
 
     def tls(self) -> tuple[Path, Path] | None:
         return (Path(self.tls_cert), Path(self.tls_key)) if self.tls_cert and self.tls_key \
@@ -242,10 +243,12 @@ class SpokeBackend:
         self.audit.watch_store(self.store, self.tasks)  # after the callbacks above: it chains
         self.tasks.keep(LoopLag(self.registry).run, "loop-lag")
         if self.tier is not None:
+            # The index knows no owner (copies): ask the ranking now and whenever it changes.
+            self.tier.on_change = self._members_changed
             if isinstance(self.store.policy, CopiesFirst):
-                # The index knows no owner: ask the ranking now and whenever it changes.
-                self.tier.on_change = self._members_changed
-                self._members_changed()
+                self.tasks.spawn(self._reclassify_copies(), "tier-copies")
+            if self.store.data_bytes == 0:  # a new member, or a replaced node's empty disk
+                self.tier.open_handoff(self.config.tier_handoff)
             self.tasks.keep(self.tier.probe_loop, "tier-probes")
             if self.tier.lookup is not None:
                 self.tasks.keep(self.tier.refresh_loop, "tier-members")
@@ -568,8 +571,18 @@ class SpokeBackend:
     async def read_blocks(self, name: str, blocks: list[tuple[str, int]]) -> list[BlockPart]:
         """Whole blocks for a downstream spoke (a batch read): fetched first where missing.
         From another tier member (``X-Spokefs-Peer``): from the cache or the upstream only,
-        at the member's priority."""
+        at the member's priority; a member's handoff (``copy``): from the cache only."""
         peer = PEER_REQUEST.get()
+        if peer == "copy":  # a member's handoff: what this member holds, nothing fetched
+            parts = [await self._cached_block(name, key) for key in blocks]
+        else:
+            parts = await self._blocks_for(name, blocks, peer)
+        if peer is not None and self.tier is not None:
+            self.tier.metrics.served.inc(sum(p.length for p in parts if p.status == 200))
+        return parts
+
+    async def _blocks_for(self, name: str, blocks: list[tuple[str, int]],
+                          peer: str | None) -> list[BlockPart]:
         direct = peer is not None
         prio = PEER_PREFETCH if peer == "prefetch" else DEMAND
         futs = {key: self.fetcher.want(name, key, prio, direct) for key in blocks
@@ -580,9 +593,22 @@ class SpokeBackend:
                 parts.append(await self._whole_block(name, key, futs.get(key), direct))
             except SpokeError as exc:
                 parts.append(BlockPart.error(exc))
-        if direct and self.tier is not None:
-            self.tier.metrics.served.inc(sum(p.length for p in parts if p.status == 200))
         return parts
+
+    async def _cached_block(self, name: str, key: BlockKey) -> BlockPart:
+        """A block from this member's cache (or a fetch just done) for another member's
+        handoff; a 503 frame when it is not here (the asker goes to the upstream)."""
+        loc = self.store.get(key)
+        view = await self._resident(key, 0, loc.size) if loc is not None else None
+        if loc is not None and view is not None:
+            return BlockPart(200, view, self.store.object_size(key[0]) or 0, loc.digest)
+        block = self.fetcher.recent(key)
+        if block is not None:
+            return BlockPart(200, await self._fetched(key, block, 0, block.size),
+                             block.object_size, block.digest)
+        return BlockPart.error(UpstreamUnavailable(
+            f"block {key[1]} of {key[0]} ({name}) is not cached on this member",
+            self.config.upstream, "not cached"))
 
     async def _whole_block(self, name: str, key: BlockKey,
                            fut: asyncio.Future[Block] | None,
@@ -1074,7 +1100,12 @@ class SpokeBackend:
                 "snapshots_in_use": in_use}
 
     def _members_changed(self) -> None:
-        self.tasks.spawn(self._reclassify_copies(), "tier-copies")
+        """Members joined or left: shares moved (copies may now be owned, and the reverse),
+        and blocks this member now owns are likely held by others: a handoff."""
+        if isinstance(self.store.policy, CopiesFirst):
+            self.tasks.spawn(self._reclassify_copies(), "tier-copies")
+        if self.tier is not None:
+            self.tier.open_handoff(self.config.tier_handoff)
 
     async def _reclassify_copies(self) -> None:
         """Which cached blocks are copies of other members' blocks (they leave first) and

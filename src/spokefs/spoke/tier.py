@@ -60,16 +60,28 @@ log = logging.getLogger(__name__)
 # spoke then serves its blocks from the cache or the upstream only (spoke.app sets it).
 PEER_REQUEST: contextvars.ContextVar[str | None] = contextvars.ContextVar(
     "spokefs_peer_request", default=None)
-PEER_KINDS = ("demand", "prefetch")
+PEER_KINDS = ("demand", "prefetch", "copy")  # copy: from the cache only (a handoff)
 
 
 @dataclass(frozen=True, slots=True)
 class Route:
     """Where a block is asked for (``peer``: a member's URL; None: the upstream) and whether
-    this member keeps it once it arrives."""
+    this member keeps it once it arrives. ``handoff``: this member owns it, and asks another
+    member for a copy it may hold (from its cache only) before the upstream."""
 
     peer: str | None
     keep: bool
+    handoff: bool = False
+
+    @property
+    def queue_route(self) -> str | None:
+        """The fetch queue's route: batches never mix members, nor handoffs with reads."""
+        return f"copy {self.peer}" if self.handoff else self.peer
+
+
+def route_peer(queue_route: str) -> tuple[str, bool]:
+    """(member URL, handoff) of a fetch queue's route."""
+    return (queue_route[5:], True) if queue_route.startswith("copy ") else (queue_route, False)
 
 
 UPSTREAM_KEEP = Route(None, True)
@@ -82,10 +94,14 @@ class TierRouter:
     answering keeps its share; its blocks are asked of the next member meanwhile), so a
     member that comes back serves its share from the cache it kept."""
 
+    HANDOFF_TRIAL = 64  # handoff blocks asked before judging whether copies are there
+
     def __init__(self, self_url: str, members: Iterable[str], now: float, *,
                  down_failures: int = 3, down_after: float = 5.0, retry_after: float = 1.0,
                  retry_max: float = 30.0) -> None:
         self.self_url = normalise_url(self_url)
+        self.handoff_until = 0.0
+        self._handoff_asked = self._handoff_found = 0
         self.membership = Membership(members, now, self_url=self.self_url,
                                      down_failures=down_failures, down_after=down_after,
                                      retry_after=retry_after, retry_max=retry_max)
@@ -112,16 +128,40 @@ class TierRouter:
         members that failed this block already. Down the block's ranking, skipping down and
         tried members: the first other member is asked; reaching this member means fetching
         from the upstream and keeping the block (owner, or the next owner while the ones
-        before it are away)."""
-        if direct:
-            return UPSTREAM_KEEP
+        before it are away), or, during a handoff, first asking the next member for a copy."""
         skip = set(tried)
-        for url in self.membership.candidates(self._rdv.ranked(key[0], key[1]), now):
-            if url == self.self_url:
-                return UPSTREAM_KEEP
-            if url not in skip:
-                return Route(url, False)
-        return UPSTREAM_KEEP  # not reached: this member is always a candidate
+        ranked = self.membership.candidates(self._rdv.ranked(key[0], key[1]), now)
+        if not direct:
+            for url in ranked:
+                if url == self.self_url:
+                    break
+                if url not in skip:
+                    return Route(url, False)
+        if self.handoff_until > now:  # a member answering well: a hop that may save the WAN
+            for url in ranked:
+                if (url != self.self_url and url not in skip
+                        and self.membership.state(url, now) is State.UP):
+                    return Route(url, True, handoff=True)
+        return UPSTREAM_KEEP
+
+    # -- handoff: a member whose share is not in its cache asks the others for copies -------
+    def open_handoff(self, now: float, seconds: float) -> None:
+        """For ``seconds``, a block this member must fetch from the upstream is first asked of
+        the next member in its ranking, from that member's cache only: a member that started
+        empty (a replaced node) or whose share grew (members left or joined) takes blocks
+        the others hold as copies, or held as owners, over the local network, not the WAN.
+        Closed early when copies are not there (``handoff_result``)."""
+        self.handoff_until = max(self.handoff_until, now + seconds)
+        self._handoff_asked = self._handoff_found = 0
+
+    def handoff_result(self, found: bool) -> None:
+        """The answer to one handoff block; after 64, under 1 in 10 found closes the handoff
+        (a tier filling cold holds no copies: each ask would be a wasted hop)."""
+        self._handoff_asked += 1
+        self._handoff_found += found
+        if (self._handoff_asked >= self.HANDOFF_TRIAL
+                and self._handoff_found * 10 < self._handoff_asked):
+            self.handoff_until = 0.0
 
     def shares(self) -> dict[str, float]:
         return self._rdv.shares()
@@ -160,6 +200,10 @@ class TierMetrics:
                               "members' batch reads", registry=r)
         self.members = Gauge("spokefs_tier_members", "Listed tier members by state",
                              ["state"], registry=r)
+        self.handoff = Counter("spokefs_tier_handoff_blocks", "Blocks this member owns that "
+                               "it asked another member for (a copy, from its cache only) "
+                               "before the upstream, by outcome (found, not_found)",
+                               ["outcome"], registry=r)
 
 
 # A source's look-up: the member list now (blocking; run in a thread). None: static.
@@ -201,6 +245,20 @@ class Tier:
     # -- routing -----------------------------------------------------------------------------
     def route(self, key: BlockKey, tried: Iterable[str] = (), direct: bool = False) -> Route:
         return self.router.route(key, self.clock(), tried, direct)
+
+    def open_handoff(self, seconds: float) -> None:
+        if seconds > 0:
+            self.router.open_handoff(self.clock(), seconds)
+            log.info("tier: for %gs, blocks this member must fetch are first asked of the "
+                     "next member (copies it may hold)", seconds)
+
+    def handoff_result(self, found: bool) -> None:
+        self.metrics.handoff.labels("found" if found else "not_found").inc()
+        was_open = self.router.handoff_until > self.clock()
+        self.router.handoff_result(found)
+        if was_open and self.router.handoff_until <= self.clock():
+            log.info("tier: handoff closed: the other members hold few copies of this "
+                     "member's share (a tier filling cold); blocks go to the upstream")
 
     def client(self, url: str) -> DataClient:
         c = self._clients.get(url)

@@ -42,6 +42,11 @@ def add_tier_arguments(p: argparse.ArgumentParser) -> None:
                    help="keep a copy of each block got from another member while there is "
                    "room (the next read through this member is local); copies only use room "
                    "this member's own blocks leave free, and leave first (default: on)")
+    g.add_argument("--tier-handoff", type=parse_duration, default=600.0, metavar="DURATION",
+                   help="after starting with an empty cache (a new member, a replaced node) "
+                   "or a change of members, blocks this member owns and lacks are first asked "
+                   "of the next member, from its cache, for this long (default 10m; it stops "
+                   "early when the others hold no copies; 0 turns it off)")
     g.add_argument("--tier-borrow", type=parse_size, default=128 << 20, metavar="SIZE",
                    help="blocks got from other members and not kept as copies are held in "
                    "memory, up to this much (default 128MiB)")
@@ -77,4 +82,5 @@ def tier_config(args: argparse.Namespace, host: str, port: int, tls: bool) -> di
             "tier_timeout": args.tier_timeout, "tier_refresh": args.tier_refresh,
             "tier_token_file": (str(args.tier_token_file.absolute())
                                 if args.tier_token_file else None),
-            "tier_borrow": args.tier_borrow, "tier_copies": args.tier_copies}
+            "tier_borrow": args.tier_borrow, "tier_copies": args.tier_copies,
+            "tier_handoff": args.tier_handoff}
