@@ -280,8 +280,13 @@ def _plot(doc: dict[str, Any], out: Path) -> Path:
     a1.set_xlabel("spokes in the tier")
     a1.set_ylabel("WAN bytes / dataset (cold epoch, all nodes)")
     a1.legend()
-    a2.bar([i - 0.2 for i in x], [r["cold_epoch_s"] for r in rows], 0.4, label="cold")
-    a2.bar([i + 0.2 for i in x], [r["warm_epoch_s"] for r in rows], 0.4, label="warm")
+    a2.bar([i - 0.27 for i in x], [r["cold_epoch_s"] for r in rows], 0.27, label="cold")
+    a2.bar(list(x), [r["warm_epoch_s"] for r in rows], 0.27, label="warm, all nodes at once")
+    a2.bar([i + 0.27 for i in x], [r["warm_alone_epoch_s"] for r in rows], 0.27,
+           label="warm, a node alone")
+    if rows and rows[0]["spokes"] == 1:  # the goal: within 1.5x of a single spoke's
+        a2.axhline(1.5 * rows[0]["warm_alone_epoch_s"], color="#cc3311", linestyle="--",
+                   label="goal: 1.5x one spoke's warm epoch")
     a2.set_xticks(list(x), [str(n) for n in ns])
     a2.set_xlabel("spokes in the tier")
     a2.set_ylabel("epoch seconds, slowest node")
