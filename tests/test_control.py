@@ -387,3 +387,8 @@ def test_inventory_lists_what_the_spoke_holds(hub_server, dataset: Path, tmp_pat
         run = subprocess.run([sys.executable, "-m", "spokefs.cli", "inventory", s.url],
                              capture_output=True, text=True, timeout=60)
         assert run.returncode == 0 and f"{2 + empty}/" in run.stdout and "ds" in run.stdout
+        # --tier on a spoke alone: its own inventory, under its URL
+        run = subprocess.run([sys.executable, "-m", "spokefs.cli", "inventory", "--tier", s.url],
+                             capture_output=True, text=True, timeout=60)
+        assert run.returncode == 0 and run.stdout.startswith(f"{s.url}\n"), run.stdout
+        assert f"{2 + empty}/" in run.stdout

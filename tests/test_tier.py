@@ -345,6 +345,13 @@ def test_members_keep_copies_in_spare_room_and_read_them_locally(tmp_path: Path)
         assert errors == [] and wan.bytes_down() < 0.02 * total, wan.bytes_down()
         assert metric(urls[2], "spokefs_tier_handoff_blocks_total", outcome="found") > 0
         wait_until("C to hold its share again", lambda: owned_and_copies(urls)[0] == owned)
+        # Where the bytes are: every member's inventory, through one.
+        inv = json.loads(subprocess.run(
+            [sys.executable, "-m", "spokefs.cli", "inventory", "--tier", "--json", a],
+            check=True, capture_output=True, text=True).stdout)
+        assert [m["url"] for m in inv["members"]] == sorted(urls)
+        assert [m["inventory"]["datasets"][0]["bytes"] for m in inv["members"]] == [
+            status(u)["cache"]["data_bytes"] for u in sorted(urls)]
         # A purge through one member purges the tier: shares and copies alike.
         out = subprocess.run([sys.executable, "-m", "spokefs.cli", "purge", f"{a}/ds"],
                              check=True, capture_output=True, text=True).stdout

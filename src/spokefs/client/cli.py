@@ -65,6 +65,9 @@ def register(sub: argparse._SubParsersAction) -> None:
                          "Needs an admin token where the spoke asks for tokens.")
     inv.add_argument("url", metavar="URL", help="http://spoke:port")
     inv.add_argument("--json", action="store_true", help="print raw JSON")
+    inv.add_argument("--tier", action="store_true",
+                     help="on a member of a spoke tier, every member's, one after another "
+                     "(JSON: {\"members\": [{\"url\", \"inventory\" or \"error\"}]})")
     inv.set_defaults(func=_inventory)
 
     ls = sub.add_parser("ls", help="list a folder of a dataset snapshot")
@@ -103,15 +106,37 @@ def _warm(args: argparse.Namespace) -> int:
 
 
 def _inventory(args: argparse.Namespace) -> int:
+    from spokefs.client.sync import Client
+    from spokefs.errors import SpokeError, Transient
+
+    base = args.url.rstrip("/")
+    client = Client(base)
+    if not args.tier:
+        doc = client.get_json("/v1/inventory")
+        print(json.dumps(doc, indent=2) if args.json else _inventory_table(doc))
+        return 0
+    tier = client.get_json("/v1/status").get("tier")
+    urls = [m["url"] for m in tier["members"]] if tier else [base]
+    members: list[dict[str, object]] = []
+    for url in urls:
+        try:  # a member that is down is reported within 10 s, the others still listed
+            members.append({"url": url, "inventory": Client(url, deadline=10.0).get_json(
+                "/v1/inventory")})
+        except (SpokeError, Transient) as exc:
+            members.append({"url": url, "error": str(exc)})
+    if args.json:
+        print(json.dumps({"members": members}, indent=2))
+    for m in [] if args.json else members:
+        inv = m.get("inventory")
+        print(f"{m['url']}\n" + (_inventory_table(inv) if isinstance(inv, dict)
+                                  else f"NOT LISTED: {m['error']}") + "\n")
+    return 1 if any("error" in m for m in members) else 0
+
+
+def _inventory_table(doc: dict) -> str:
     import time
 
-    from spokefs.client.sync import Client
     from spokefs.tables import table
-
-    doc = Client(args.url.rstrip("/")).get_json("/v1/inventory")
-    if args.json:
-        print(json.dumps(doc, indent=2))
-        return 0
 
     def ago(t: float | None) -> str:
         return "-" if t is None else f"{max(0, time.time() - t) / 3600:.1f} h ago"
@@ -127,9 +152,8 @@ def _inventory(args: argparse.Namespace) -> int:
             rows.append(["", s["snapshot"], f"{s['resident_files']}/{s['files']}",
                          f"{format_size(s['resident_bytes'])} of {format_size(s['bytes'])}",
                          "", "", ""])
-    print(table(rows, ["dataset", "snapshot", "files", "bytes", "blocks", "least recent use",
-                       "most recent use"]) if rows else "nothing cached")
-    return 0
+    return (table(rows, ["dataset", "snapshot", "files", "bytes", "blocks", "least recent use",
+                         "most recent use"]) if rows else "nothing cached")
 
 
 def _status(args: argparse.Namespace) -> int:
