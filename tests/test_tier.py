@@ -536,3 +536,54 @@ def test_a_member_that_goes_silent_is_skipped_within_the_deadline(tier3) -> None
         proc.send_signal(signal.SIGCONT)
     wait_until("A to see B up again", lambda: any(
         m["url"] == b and m["state"] == "up" for m in status(a)["tier"]["members"]))
+
+
+def test_a_members_batch_read_is_the_primary_workers_to_answer(tmp_path: Path) -> None:
+    """With --workers 2 a member's batch read may land on a replica worker. It is forwarded
+    to the primary: a handoff (``copy``) fetches nothing, and a demand read of a block
+    another member owns is fetched from the upstream by the member asked, never asked of a
+    third member. Each request on a connection of its own, so both workers get some."""
+    from spokefs.wire.client import UpstreamClient
+    from spokefs.wire.http1 import DataClient
+
+    ds = make_dataset(tmp_path / "ds", n_small=60, small_size=20_000, big_sizes=())
+    ports = [free_port() for _ in range(2)]
+    a, b = urls = [f"http://127.0.0.1:{p}" for p in ports]
+    with ExitStack() as stack:
+        h = stack.enter_context(hub(ds, tmp_path / "hubstate"))
+        for i, port in enumerate(ports):
+            stack.enter_context(spoke(h.url, tmp_path / f"cache{i}", "1GiB", "--port",
+                                      str(port), "--workers", "2", "--tier", ",".join(urls)))
+
+        async def manifest_keys() -> list[tuple[str, int]]:
+            c = UpstreamClient(h.url)
+            try:
+                m = await c.manifest("ds", "latest")
+            finally:
+                await c.close()
+            return [(e.version, 0) for e in m.entries() if e.size]
+
+        async def ask(base: str, key: tuple[str, int], kind: str) -> int:
+            client = DataClient(base)  # a connection of its own
+            got: list[int] = []
+            try:
+                await client.read_blocks("/v1/datasets/ds/blocks",
+                                         json.dumps({"blocks": [list(key)]}).encode(),
+                                         lambda hd: None, lambda hd, p: got.append(hd.status),
+                                         headers={"X-Spokefs-Peer": kind})
+            finally:
+                await client.close()
+            return got[0]
+
+        router = TierRouter(a, urls, 0.0)
+        a_owns = [k for k in asyncio.run(manifest_keys()) if router.owner(k) == a]
+        assert len(a_owns) >= 24
+        assert [asyncio.run(ask(b, k, "copy")) for k in a_owns[:12]] == [503] * 12
+        assert metric(b, "spokefs_upstream_bytes_total") == 0  # a handoff fetches nothing
+        assert [asyncio.run(ask(b, k, "demand")) for k in a_owns[12:24]] == [200] * 12
+        assert metric(b, "spokefs_upstream_bytes_total") > 0  # B fetched them itself...
+        # ...never reading them through A: B started empty, so it asked A for copies first
+        # (a handoff), and A, holding none and fetching nothing for it, sent none.
+        assert metric(a, "spokefs_tier_served_bytes_total") == 0
+        assert metric(b, "spokefs_tier_peer_blocks_total") == 0
+        assert metric(b, "spokefs_tier_handoff_blocks_total", outcome="not_found") == 12

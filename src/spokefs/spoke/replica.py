@@ -20,7 +20,7 @@ import asyncio
 import json
 import logging
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -45,10 +45,12 @@ from spokefs.tasks import Tasks
 from spokefs.wire.backend import BlockPart, DatasetInfo, ManifestMemo, ReadContext, Segment
 from spokefs.wire.bodies import read_body
 from spokefs.wire.client import UpstreamClient
-from spokefs.wire.headers import H_AUTH_ADMIN, H_AUTH_NAME, H_JOB, H_READER
+from spokefs.wire.headers import H_AUTH_ADMIN, H_AUTH_NAME, H_JOB, H_PEER, H_READER
 from spokefs.wire.server import build_app
 
 log = logging.getLogger(__name__)
+
+Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
 CHECK_IN_THREAD = 1 << 20
 REPORT_EVERY = 0.05      # seconds between reports of reads and counts to the primary
@@ -69,7 +71,7 @@ PROXIED = [              # the primary's own routes: a replica forwards them as 
 ]
 # Not Content-Encoding: the body goes as it came, and the primary knows a compressed one by
 # its first bytes (spoke.routes).
-_FORWARDED_HEADERS = ("Content-Type", "Range", H_READER, H_JOB)
+_FORWARDED_HEADERS = ("Content-Type", "Range", H_READER, H_JOB, H_PEER)
 
 
 class ReplicaBackend:
@@ -365,11 +367,21 @@ def build_replica_app(backend: ReplicaBackend, auth: Path | None = None,
         await backend._report()
         return web.json_response({})
 
+    @web.middleware
+    async def peers_to_primary(request: web.Request, handler: Handler) -> web.StreamResponse:
+        """A tier member's batch read (``X-Spokefs-Peer``) is the primary's to answer: it
+        fetches what is missing as the block's owner (the upstream, never a third member),
+        and answers a handoff from its cache only; a replica would fetch as a reader does."""
+        if H_PEER in request.headers:
+            return await backend.forward(request)
+        return await handler(request)
+
     routes = [web.post("/v1/workers/flush", flush)]
     routes += [web.route(method, path, backend.forward) for method, path in PROXIED]
     app = build_app(backend, routes, auth=auth,  # type: ignore[arg-type]
                     job_owners=False,  # the primary keeps who owns a job
                     audit=audit)  # this worker's own file (spokefs.audit.worker_file)
+    app.middlewares.append(peers_to_primary)  # innermost: after the token was checked
 
     async def lifecycle(app: web.Application) -> AsyncIterator[None]:
         await backend.start()
