@@ -542,7 +542,8 @@ def test_a_members_batch_read_is_the_primary_workers_to_answer(tmp_path: Path) -
     """With --workers 2 a member's batch read may land on a replica worker. It is forwarded
     to the primary: a handoff (``copy``) fetches nothing, and a demand read of a block
     another member owns is fetched from the upstream by the member asked, never asked of a
-    third member. Each request on a connection of its own, so both workers get some."""
+    third member, nor, in a handoff, of the member asking. Each request on a connection of
+    its own, so both workers get some."""
     from spokefs.wire.client import UpstreamClient
     from spokefs.wire.http1 import DataClient
 
@@ -570,7 +571,8 @@ def test_a_members_batch_read_is_the_primary_workers_to_answer(tmp_path: Path) -
                 await client.read_blocks("/v1/datasets/ds/blocks",
                                          json.dumps({"blocks": [list(key)]}).encode(),
                                          lambda hd: None, lambda hd, p: got.append(hd.status),
-                                         headers={"X-Spokefs-Peer": kind})
+                                         headers={"X-Spokefs-Peer": kind,
+                                                  "X-Spokefs-Member": a})
             finally:
                 await client.close()
             return got[0]
@@ -582,8 +584,11 @@ def test_a_members_batch_read_is_the_primary_workers_to_answer(tmp_path: Path) -
         assert metric(b, "spokefs_upstream_bytes_total") == 0  # a handoff fetches nothing
         assert [asyncio.run(ask(b, k, "demand")) for k in a_owns[12:24]] == [200] * 12
         assert metric(b, "spokefs_upstream_bytes_total") > 0  # B fetched them itself...
-        # ...never reading them through A: B started empty, so it asked A for copies first
-        # (a handoff), and A, holding none and fetching nothing for it, sent none.
+        # ...never through A. B started empty (a handoff is open), but A asked (it said so,
+        # X-Spokefs-Member) and so lacks them: B asked nobody for copies.
         assert metric(a, "spokefs_tier_served_bytes_total") == 0
-        assert metric(b, "spokefs_tier_peer_blocks_total") == 0
-        assert metric(b, "spokefs_tier_handoff_blocks_total", outcome="not_found") == 12
+        assert metric(b, "spokefs_tier_peer_requests_total") == 0
+        r = http.request("POST", f"{b}/v1/datasets/ds/blocks", body=b'{"blocks": []}',
+                         headers={"Content-Type": "application/json",
+                                  "X-Spokefs-Peer": "demand", "X-Spokefs-Member": "ftp://x"})
+        assert r.status == 400 and b"X-Spokefs-Member" in r.data

@@ -57,7 +57,7 @@ from spokefs.spoke.metrics import SpokeMetrics
 from spokefs.spoke.tier import Tier, route_peer
 from spokefs.tier.membership import State
 from spokefs.wire.frames import FrameHeader
-from spokefs.wire.headers import H_PEER
+from spokefs.wire.headers import H_MEMBER, H_PEER
 from spokefs.wire.http1 import DataClient
 
 log = logging.getLogger(__name__)
@@ -240,9 +240,10 @@ class Fetcher:
 
     # -- asking --------------------------------------------------------------------------------
     def want(self, dataset: str, key: BlockKey, priority: int,
-             direct: bool = False) -> asyncio.Future[Block]:
+             direct: bool = False, asker: str | None = None) -> asyncio.Future[Block]:
         """The block's fetch (started now, or the one under way, raised to ``priority``).
-        ``direct``: another tier member asks; only the upstream may be asked for it."""
+        ``direct``: another tier member (``asker``, when it said) asks; only the upstream
+        may be asked for it, or, in a handoff, a member other than the asker."""
         f = self._fetches.get(key)
         if f is not None:
             # Out to the member that owns it (not a handoff, which asks a member's cache and
@@ -254,7 +255,7 @@ class Fetcher:
                         self.queue.raise_priority(d.entry, priority)
                         self._pump()
                         return d.future
-                    return self._start(dataset, key, priority, True, self._direct)
+                    return self._start(dataset, key, priority, True, self._direct, asker)
                 self.queue.remove(f.entry)  # queued for a member: to the upstream instead
                 f.direct = True
                 f.entry = self._enqueue(f, min(priority, f.entry.priority))
@@ -269,12 +270,15 @@ class Fetcher:
             if key in self.borrowed:  # the planner may be waiting on it
                 asyncio.get_running_loop().call_soon(self.finished, key, True)
             return fut
-        return self._start(dataset, key, priority, direct, self._fetches)
+        return self._start(dataset, key, priority, direct, self._fetches, asker)
 
     def _start(self, dataset: str, key: BlockKey, priority: int, direct: bool,
-               table: dict[BlockKey, Fetch]) -> asyncio.Future[Block]:
+               table: dict[BlockKey, Fetch], asker: str | None = None
+               ) -> asyncio.Future[Block]:
         fut: asyncio.Future[Block] = asyncio.get_running_loop().create_future()
         f = Fetch(key, dataset, fut, None, direct)  # type: ignore[arg-type]  # set below
+        if asker is not None:  # it lacks the block: no handoff asks it
+            f.tried.add(asker)
         f.entry = self._enqueue(f, priority)
         table[key] = f
         self._pump()
@@ -498,7 +502,7 @@ class Fetcher:
             await tier.client(peer).read_blocks(
                 f"/v1/datasets/{batch.group}/blocks", body, begin, end, progress=arrived,
                 headers={H_PEER: "copy" if handoff else
-                         "prefetch" if batch.prefetch else "demand"})
+                         "prefetch" if batch.prefetch else "demand", H_MEMBER: tier.self_url})
         except Transient as exc:
             failure = str(exc)
         except SpokeError as exc:

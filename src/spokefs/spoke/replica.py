@@ -45,7 +45,7 @@ from spokefs.tasks import Tasks
 from spokefs.wire.backend import BlockPart, DatasetInfo, ManifestMemo, ReadContext, Segment
 from spokefs.wire.bodies import read_body
 from spokefs.wire.client import UpstreamClient
-from spokefs.wire.headers import H_AUTH_ADMIN, H_AUTH_NAME, H_JOB, H_PEER, H_READER
+from spokefs.wire.headers import H_AUTH_ADMIN, H_AUTH_NAME, H_JOB, H_MEMBER, H_PEER, H_READER
 from spokefs.wire.server import build_app
 
 log = logging.getLogger(__name__)
@@ -71,7 +71,7 @@ PROXIED = [              # the primary's own routes: a replica forwards them as 
 ]
 # Not Content-Encoding: the body goes as it came, and the primary knows a compressed one by
 # its first bytes (spoke.routes).
-_FORWARDED_HEADERS = ("Content-Type", "Range", H_READER, H_JOB, H_PEER)
+_FORWARDED_HEADERS = ("Content-Type", "Range", H_READER, H_JOB, H_PEER, H_MEMBER)
 
 
 class ReplicaBackend:

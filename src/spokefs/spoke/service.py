@@ -56,7 +56,7 @@ from spokefs.spoke.fetcher import Block, Fetcher
 from spokefs.spoke.jobsignal import JobSignal
 from spokefs.spoke.metrics import JobMetrics, SpokeMetrics
 from spokefs.spoke.prefetch import PrefetchDriver
-from spokefs.spoke.tier import PEER_REQUEST, Tier, make_lookup
+from spokefs.spoke.tier import PEER_FROM, PEER_REQUEST, Tier, make_lookup
 from spokefs.tasks import Tasks
 from spokefs.units import format_size
 from spokefs.wire.backend import (
@@ -584,13 +584,14 @@ class SpokeBackend:
     async def _blocks_for(self, name: str, blocks: list[tuple[str, int]],
                           peer: str | None) -> list[BlockPart]:
         direct = peer is not None
+        asker = PEER_FROM.get() if direct else None
         prio = PEER_PREFETCH if peer == "prefetch" else DEMAND
-        futs = {key: self.fetcher.want(name, key, prio, direct) for key in blocks
+        futs = {key: self.fetcher.want(name, key, prio, direct, asker) for key in blocks
                 if key not in self.store and self.fetcher.recent(key) is None}
         parts = []
         for key in blocks:
             try:
-                parts.append(await self._whole_block(name, key, futs.get(key), direct))
+                parts.append(await self._whole_block(name, key, futs.get(key), direct, asker))
             except SpokeError as exc:
                 parts.append(BlockPart.error(exc))
         return parts
@@ -612,7 +613,7 @@ class SpokeBackend:
 
     async def _whole_block(self, name: str, key: BlockKey,
                            fut: asyncio.Future[Block] | None,
-                           direct: bool = False) -> BlockPart:
+                           direct: bool = False, asker: str | None = None) -> BlockPart:
         what = f"block {key[1]} of {key[0]} ({name})"
         for _ in range(3):
             if fut is None:
@@ -628,7 +629,7 @@ class SpokeBackend:
                     self._count(name, 1, 0)
                     return BlockPart(200, await self._fetched(key, block, 0, block.size),
                                      block.object_size, block.digest)
-                fut = self.fetcher.want(name, key, DEMAND, direct)
+                fut = self.fetcher.want(name, key, DEMAND, direct, asker)
             self._count(name, 0, 1)
             block = await self._wait_fetch(fut, what)
             return BlockPart(200, await self._fetched(key, block, 0, block.size),

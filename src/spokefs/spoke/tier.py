@@ -49,7 +49,7 @@ from spokefs.policy import BlockKey
 from spokefs.tier.membership import Membership, State
 from spokefs.tier.rendezvous import Rendezvous, normalise_url
 from spokefs.wire.client import UpstreamClient
-from spokefs.wire.headers import H_PEER
+from spokefs.wire.headers import H_MEMBER, H_PEER
 from spokefs.wire.http1 import DataClient
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
@@ -61,6 +61,10 @@ log = logging.getLogger(__name__)
 PEER_REQUEST: contextvars.ContextVar[str | None] = contextvars.ContextVar(
     "spokefs_peer_request", default=None)
 PEER_KINDS = ("demand", "prefetch", "copy")  # copy: from the cache only (a handoff)
+# The asking member's URL (``X-Spokefs-Member``), while its request is handled: it lacks the
+# blocks it asks for, so a handoff for them does not ask it back.
+PEER_FROM: contextvars.ContextVar[str | None] = contextvars.ContextVar(
+    "spokefs_peer_from", default=None)
 
 
 @dataclass(frozen=True, slots=True)
@@ -405,8 +409,14 @@ async def peer_middleware(request: web.Request, handler: Handler) -> web.StreamR
         return await handler(request)
     if kind not in PEER_KINDS:
         raise BadRequest(f"{H_PEER} must be one of {', '.join(PEER_KINDS)}, not {kind[:40]!r}")
-    mark = PEER_REQUEST.set(kind)
+    asker = request.headers.get(H_MEMBER)
+    try:
+        asker = normalise_url(asker) if asker else None
+    except (ConfigError, ValueError):
+        raise BadRequest(f"{H_MEMBER} must be a member's URL") from None
+    mark, mark_from = PEER_REQUEST.set(kind), PEER_FROM.set(asker)
     try:
         return await handler(request)
     finally:
         PEER_REQUEST.reset(mark)
+        PEER_FROM.reset(mark_from)

@@ -12,5 +12,7 @@ H_JOB = "X-Spokefs-Job"        # names the training job, for announced orders an
 H_AUTH_NAME = "X-Spokefs-Auth-Name"
 H_AUTH_ADMIN = "X-Spokefs-Auth-Admin"
 # On a batch read from one tier member to another (``demand`` or ``prefetch``): the answering
-# member serves it from its cache or its upstream, never from another member (no loops).
+# member serves it from its cache or its upstream, never from another member (no loops);
+# ``copy``: from its cache only (a handoff).
 H_PEER = "X-Spokefs-Peer"
+H_MEMBER = "X-Spokefs-Member"  # the asking tier member's URL, with X-Spokefs-Peer
