@@ -54,7 +54,7 @@ from spokefs.policy import BlockKey
 from spokefs.retry import backoff_delays
 from spokefs.spoke.fetchqueue import QUEUED, Batch, Entry, FetchQueue
 from spokefs.spoke.metrics import SpokeMetrics
-from spokefs.spoke.tier import Tier, route_peer
+from spokefs.spoke.tier import Route, Tier
 from spokefs.tier.membership import State
 from spokefs.wire.frames import FrameHeader
 from spokefs.wire.headers import H_MEMBER, H_PEER
@@ -296,7 +296,8 @@ class Fetcher:
         if self.tier is None:
             return
         r = self.tier.route(f.key, f.tried, f.direct)
-        entry.route, f.keep = r.queue_route, r.keep
+        # The queue batches by route: never two members, nor a handoff with a read.
+        entry.route, f.keep = (r if r.peer is not None else None), r.keep
 
     def fetching(self, key: BlockKey) -> bool:
         return key in self._fetches or key in self._direct
@@ -461,9 +462,9 @@ class Fetcher:
         """A batch read from the tier member that owns these blocks (marked, so it asks no
         other member). A member that fails, goes silent or refuses us gives the blocks it did
         not deliver back to be routed without it, at once."""
-        tier = self.tier
-        assert tier is not None and batch.route is not None
-        peer, handoff = route_peer(batch.route)
+        tier, route = self.tier, batch.route
+        assert tier is not None and isinstance(route, Route) and route.peer is not None
+        peer, handoff = route.peer, route.handoff
         body = json.dumps({"blocks": [list(f.key) for f in fetches]}).encode()
         bufs: dict[int, memoryview] = {}
         done: set[int] = set()

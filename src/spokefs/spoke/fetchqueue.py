@@ -39,13 +39,14 @@ class Entry:
     __slots__ = ("data", "group", "key", "priority", "route", "size", "state")
 
     def __init__(self, key: Hashable, group: str, priority: int, size: int,
-                 route: str | None = None) -> None:
+                 route: Hashable | None = None) -> None:
         self.key = key
         self.group = group
         self.priority = priority
         self.size = size
         self.state = QUEUED
-        self.route = route  # where the block is asked for: None, the upstream; else a member
+        self.route = route  # where the block is asked for: None, the upstream; else the
+        # caller's (a tier's Route): entries batch together only with an equal route
         self.data: Any = None  # the caller's own (the fetcher's Fetch)
 
 
@@ -83,7 +84,7 @@ class FetchQueue:
 
     # -- entries -------------------------------------------------------------------------------
     def add(self, key: Hashable, group: str, priority: int, size: int,
-            route: str | None = None) -> Entry:
+            route: Hashable | None = None) -> Entry:
         e = Entry(key, group, priority, size, route)
         heapq.heappush(self._heap, (priority, next(self._seq), e))
         self._queued += 1

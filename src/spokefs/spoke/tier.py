@@ -77,16 +77,6 @@ class Route:
     keep: bool
     handoff: bool = False
 
-    @property
-    def queue_route(self) -> str | None:
-        """The fetch queue's route: batches never mix members, nor handoffs with reads."""
-        return f"copy {self.peer}" if self.handoff else self.peer
-
-
-def route_peer(queue_route: str) -> tuple[str, bool]:
-    """(member URL, handoff) of a fetch queue's route."""
-    return (queue_route[5:], True) if queue_route.startswith("copy ") else (queue_route, False)
-
 
 UPSTREAM_KEEP = Route(None, True)
 
