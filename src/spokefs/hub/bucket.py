@@ -51,7 +51,13 @@ from spokefs.errors import (
     VersionGone,
 )
 from spokefs.hub.backend import REFRESH_EVERY, RESERVED_NAMES, PublishedSnapshots
-from spokefs.hub.snapshot import LedgerView, ScanResult, SnapshotInfo, SnapshotLedger
+from spokefs.hub.snapshot import (
+    LedgerView,
+    ScanResult,
+    SnapshotInfo,
+    SnapshotLedger,
+    write_transaction,
+)
 from spokefs.manifest import Manifest
 from spokefs.origin.s3 import BucketUrl, ObjectInfo, S3Origin, parse_bucket_url
 from spokefs.wire.backend import BlockPart, DatasetInfo, ManifestMemo, ReadContext, Segment
@@ -142,20 +148,19 @@ class BucketState(SnapshotLedger):
         db.execute("PRAGMA synchronous=NORMAL")
         db.executescript(_SCHEMA)
         with self._db_lock:
-            db.execute("BEGIN IMMEDIATE")
             try:
-                for key, value in (("block_size", str(self.block_size)),
-                                   ("source", str(self.url))):
-                    db.execute("INSERT OR IGNORE INTO settings VALUES (?, ?)", (key, value))
-                row = db.execute("SELECT value FROM settings WHERE key='block_size'").fetchone()
-                self.block_size = int(row[0])  # digests depend on it: keep the first one
-                row = db.execute("SELECT value FROM settings WHERE key='source'").fetchone()
-                if row[0] != str(self.url):
-                    raise ConfigError(f"state folder {self.state_dir} belongs to {row[0]}, "
-                                      f"not {self.url}: give another --state-dir")
-                db.execute("COMMIT")
+                with write_transaction(db):
+                    for key, value in (("block_size", str(self.block_size)),
+                                       ("source", str(self.url))):
+                        db.execute("INSERT OR IGNORE INTO settings VALUES (?, ?)", (key, value))
+                    row = db.execute(
+                        "SELECT value FROM settings WHERE key='block_size'").fetchone()
+                    self.block_size = int(row[0])  # digests depend on it: keep the first one
+                    row = db.execute("SELECT value FROM settings WHERE key='source'").fetchone()
+                    if row[0] != str(self.url):
+                        raise ConfigError(f"state folder {self.state_dir} belongs to {row[0]}, "
+                                          f"not {self.url}: give another --state-dir")
             except BaseException:
-                db.execute("ROLLBACK")
                 db.close()
                 raise
             self._db = db
@@ -183,14 +188,8 @@ class BucketState(SnapshotLedger):
         return self._view.by_version.get(version)
 
     def save_digests(self, rows: list[tuple[str, int, bytes]]) -> None:
-        with self._db_lock:
-            self.db.execute("BEGIN IMMEDIATE")
-            try:
-                self.db.executemany("INSERT OR REPLACE INTO digests VALUES (?,?,?)", rows)
-                self.db.execute("COMMIT")
-            except BaseException:
-                self.db.execute("ROLLBACK")
-                raise
+        with self._db_lock, write_transaction(self.db) as db:
+            db.executemany("INSERT OR REPLACE INTO digests VALUES (?,?,?)", rows)
 
     # -- snapshots (blocking: the CLI, or a thread) --------------------------------------
     def scan(self, show_progress: bool = False) -> ScanResult:
@@ -210,15 +209,9 @@ class BucketState(SnapshotLedger):
         m = Manifest(self.name, "", 0.0, self.block_size, paths, [files[p].size for p in paths],
                      [MODE] * len(paths), [files[p].mtime_ns for p in paths], versions, dirs)
         with self._db_lock:
-            db = self.db
-            db.execute("BEGIN IMMEDIATE")
-            try:
+            with write_transaction(self.db) as db:
                 db.executemany("INSERT OR IGNORE INTO objects VALUES (?,?,?,?,?,?)", rows)
                 result = ScanResult(*self._publish(db, m), 0, 0)
-                db.execute("COMMIT")
-            except BaseException:
-                db.execute("ROLLBACK")
-                raise
             self._load_locked()
         if result.created_new:
             s = result.snapshot

@@ -23,6 +23,7 @@ commits in one short transaction and swaps what reads use in one assignment.
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import hashlib
 import logging
@@ -31,7 +32,7 @@ import sqlite3
 import stat as statmod
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -181,6 +182,20 @@ def default_state_dir(root: Path, name: str) -> Path:
     return base / "spokefs" / "hub" / f"{name}-{tag}"
 
 
+@contextlib.contextmanager
+def write_transaction(db: sqlite3.Connection) -> Iterator[sqlite3.Connection]:
+    """``BEGIN IMMEDIATE`` (the write lock now, so two processes writing the same state wait
+    for each other rather than fail at commit), then COMMIT, or ROLLBACK on any error. For
+    connections opened with ``isolation_level=None``."""
+    db.execute("BEGIN IMMEDIATE")
+    try:
+        yield db
+        db.execute("COMMIT")
+    except BaseException:
+        db.execute("ROLLBACK")
+        raise
+
+
 class SnapshotLedger:
     """What a hub keeps of a dataset in its state folder, whatever the source (a folder:
     ``HubState``, a bucket: ``hub.bucket.BucketState``): snapshots in SQLite, their
@@ -287,22 +302,21 @@ class HubState(SnapshotLedger):
         db = self._connect(check_same_thread=False)
         db.execute("PRAGMA journal_mode=WAL")
         db.executescript(_SCHEMA)
-        db.execute("BEGIN IMMEDIATE")  # another process may be upgrading the same state
         try:
-            have = {r[1] for r in db.execute("PRAGMA table_info(files)")}
-            for col, kind in _ADDED_COLUMNS.items():
-                if col not in have:
-                    db.execute(f"ALTER TABLE files ADD COLUMN {col} {kind}")
-            row = db.execute("SELECT value FROM settings WHERE key='block_size'").fetchone()
-            if row is None:
-                db.execute("INSERT INTO settings VALUES ('block_size', ?)",
-                           (str(self.block_size),))
-            elif int(row[0]) != self.block_size:
-                # Block digests depend on the block size: keep the one the state was built with.
-                self.block_size = int(row[0])
-            db.execute("COMMIT")
+            with write_transaction(db):  # another process may be upgrading the same state
+                have = {r[1] for r in db.execute("PRAGMA table_info(files)")}
+                for col, kind in _ADDED_COLUMNS.items():
+                    if col not in have:
+                        db.execute(f"ALTER TABLE files ADD COLUMN {col} {kind}")
+                row = db.execute("SELECT value FROM settings WHERE key='block_size'").fetchone()
+                if row is None:
+                    db.execute("INSERT INTO settings VALUES ('block_size', ?)",
+                               (str(self.block_size),))
+                elif int(row[0]) != self.block_size:
+                    # Block digests depend on the block size: keep the one the state was
+                    # built with.
+                    self.block_size = int(row[0])
         except BaseException:
-            db.execute("ROLLBACK")
             db.close()
             raise
         self._db = db
@@ -467,16 +481,11 @@ class HubState(SnapshotLedger):
         gone = [(p,) for p in known if p not in files]
         # Reads skip their refresh while this holds the lock, and see the new state at once.
         with self._db_lock:
-            db.execute("BEGIN IMMEDIATE")
-            try:
+            with write_transaction(db):
                 db.executemany(_INSERT_FILE, rows)
                 db.executemany("UPDATE files SET dev=?, src=? WHERE path=?", refill)
                 db.executemany("DELETE FROM files WHERE path=?", gone)
                 result = self._record_snapshot(db, dirs, len(rows), hashed_bytes)
-                db.execute("COMMIT")
-            except BaseException:
-                db.execute("ROLLBACK")
-                raise
             self._load_locked()
         if result.created_new:
             s = result.snapshot
