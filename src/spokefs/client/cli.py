@@ -5,7 +5,9 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 from spokefs.units import format_size, parse_duration
 
@@ -107,7 +109,6 @@ def _warm(args: argparse.Namespace) -> int:
 
 def _inventory(args: argparse.Namespace) -> int:
     from spokefs.client.sync import Client
-    from spokefs.errors import SpokeError, Transient
 
     base = args.url.rstrip("/")
     client = Client(base)
@@ -115,22 +116,38 @@ def _inventory(args: argparse.Namespace) -> int:
         doc = client.get_json("/v1/inventory")
         print(json.dumps(doc, indent=2) if args.json else _inventory_table(doc))
         return 0
-    tier = client.get_json("/v1/status").get("tier")
-    urls = [m["url"] for m in tier["members"]] if tier else [base]
-    members: list[dict[str, object]] = []
-    for url in urls:
-        try:  # a member that is down is reported within 10 s, the others still listed
-            members.append({"url": url, "inventory": Client(url, deadline=10.0).get_json(
-                "/v1/inventory")})
-        except (SpokeError, Transient) as exc:
-            members.append({"url": url, "error": str(exc)})
+    members: list[dict[str, object]] = [
+        {"url": url, "inventory": got} if err is None else {"url": url, "error": err}
+        for url, got, err in _each_member((_tier(client) or ([base], base))[0],
+                                          lambda c: c.get_json("/v1/inventory"))]
     if args.json:
         print(json.dumps({"members": members}, indent=2))
-    for m in [] if args.json else members:
-        inv = m.get("inventory")
-        print(f"{m['url']}\n" + (_inventory_table(inv) if isinstance(inv, dict)
-                                  else f"NOT LISTED: {m['error']}") + "\n")
+    else:
+        for m in members:
+            inv = m.get("inventory")
+            print(f"{m['url']}\n" + (_inventory_table(inv) if isinstance(inv, dict)
+                                      else f"NOT LISTED: {m['error']}") + "\n")
     return 1 if any("error" in m for m in members) else 0
+
+
+def _tier(client: Any) -> tuple[list[str], str] | None:
+    """A tier member's member URLs and its own URL; None for a spoke on its own."""
+    tier = client.get_json("/v1/status").get("tier")
+    return ([m["url"] for m in tier["members"]], tier["self"]) if tier else None
+
+
+def _each_member(urls: list[str], call: Callable[[Any], dict]
+                 ) -> Iterator[tuple[str, dict | None, str | None]]:
+    """``call`` on each member's client: (url, answer, None), or (url, None, the error) for a
+    member that could not answer within 10 s (down: said soon, the others still asked)."""
+    from spokefs.client.sync import Client
+    from spokefs.errors import SpokeError, Transient
+
+    for url in urls:
+        try:
+            yield url, call(Client(url, deadline=10.0)), None
+        except (SpokeError, Transient) as exc:
+            yield url, None, str(exc)
 
 
 def _inventory_table(doc: dict) -> str:
@@ -207,7 +224,7 @@ def _top(args: argparse.Namespace) -> int:
 def _purge(args: argparse.Namespace) -> int:
     from spokefs.client.sync import Client
     from spokefs.client.urls import parse_url
-    from spokefs.errors import ConfigError, SpokeError, Transient
+    from spokefs.errors import ConfigError
 
     if "/" in args.url.split("://", 1)[-1].strip("/"):
         u = parse_url(args.url)
@@ -225,27 +242,24 @@ def _purge(args: argparse.Namespace) -> int:
     client = Client(base)
     r = client.post_json("/v1/purge", doc)
     what = f"{r['files']} files" if args.paths else (ds or "everything")
-    tier = None if args.this_member_only else client.get_json("/v1/status").get("tier")
-    if not tier:
+    tier = None if args.this_member_only else _tier(client)
+    if tier is None:
         print(f"freed {format_size(r['freed_bytes'])} ({what})")
         return 0
     # A tier: each member holds its share of the blocks, and copies of others'.
+    members, me = tier
     freed, failed = int(r["freed_bytes"]), []
     print(f"{base}: freed {format_size(r['freed_bytes'])}")
-    for m in tier["members"]:
-        if m.get("self"):
-            continue
-        try:
-            # A member that is down is reported within 10 s, not the default 30.
-            got = Client(m["url"], deadline=10.0).post_json("/v1/purge", doc)
-        except (SpokeError, Transient) as exc:
-            failed.append(m["url"])
-            print(f"{m['url']}: NOT PURGED: {exc}", file=sys.stderr)
+    others = [u for u in members if u != me]
+    for url, got, err in _each_member(others, lambda c: c.post_json("/v1/purge", doc)):
+        if got is None:
+            failed.append(url)
+            print(f"{url}: NOT PURGED: {err}", file=sys.stderr)
             continue
         freed += int(got["freed_bytes"])
-        print(f"{m['url']}: freed {format_size(got['freed_bytes'])}")
-    print(f"freed {format_size(freed)} ({what}) on {len(tier['members']) - len(failed)} of "
-          f"{len(tier['members'])} tier members")
+        print(f"{url}: freed {format_size(got['freed_bytes'])}")
+    print(f"freed {format_size(freed)} ({what}) on {len(members) - len(failed)} of "
+          f"{len(members)} tier members")
     if failed:
         print("the members not purged keep those blocks until purged again, or until "
               "--stale-after once the files change at the source", file=sys.stderr)
