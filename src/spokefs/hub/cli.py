@@ -34,6 +34,9 @@ def register(sub: argparse._SubParsersAction) -> None:
                             "serve it: the v1 API for spokes and mounts, plain paths for curl, "
                             "rclone and fsspec.")
     common(serve)
+    serve.add_argument("--dataset", action="append", default=[], metavar="NAME=DIR",
+                       help="serve the folder DIR as dataset NAME too (repeat for more; "
+                       "each keeps its state in --state-dir/NAME, or its default)")
     serve.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
     serve.add_argument("--port", type=int, default=8470, help="port (default 8470; 0 = any)")
     add_auth_arguments(serve)
@@ -53,6 +56,7 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def _serve(args: argparse.Namespace) -> int:
+    from spokefs.errors import ConfigError
     from spokefs.hub.backend import HubBackend, open_state
     from spokefs.wire.auth import check_bind
     from spokefs.wire.run import serve_forever
@@ -61,25 +65,38 @@ def _serve(args: argparse.Namespace) -> int:
     if args.dir.startswith("s3://"):
         from spokefs.hub.bucket import serve_bucket
 
+        if args.dataset:
+            raise ConfigError("--dataset serves folders beside a folder; a bucket hub "
+                              "serves one bucket prefix")
         return serve_bucket(args)
     if args.auth is not None:
         from spokefs.wire.auth import TokenFile
 
         TokenFile(args.auth)  # a bad token file stops the hub before it scans
-    state = open_state(args.dir, args.name, args.state_dir, args.block_size)
-    result = state.scan(show_progress=True)
-    s = result.snapshot
-    print(f"dataset {state.name}: snapshot {s.id} ({s.files} files, {s.bytes} bytes"
-          f"{', new' if result.created_new else ''})", flush=True)
-    check_bind(args.host, args.auth, args.insecure, "hub")
-    tls = tls_paths(args)
-    from spokefs.audit import Audit
-
-    app = build_app(HubBackend([state]), auth=args.auth, audit=Audit(args.audit_log))
+    states = [open_state(args.dir, args.name, args.state_dir, args.block_size)]
+    for spec in args.dataset:
+        name, sep, folder = spec.partition("=")
+        if not sep or not name or not folder:
+            raise ConfigError(f"--dataset {spec!r}: expected NAME=DIR")
+        if name in {st.name for st in states}:
+            raise ConfigError(f"--dataset {spec!r}: a second dataset named {name!r}")
+        states.append(open_state(folder, name, f"{args.state_dir}/{name}" if args.state_dir
+                                 else None, args.block_size))
     try:
+        for state in states:
+            result = state.scan(show_progress=True)
+            s = result.snapshot
+            print(f"dataset {state.name}: snapshot {s.id} ({s.files} files, {s.bytes} bytes"
+                  f"{', new' if result.created_new else ''})", flush=True)
+        check_bind(args.host, args.auth, args.insecure, "hub")
+        tls = tls_paths(args)
+        from spokefs.audit import Audit
+
+        app = build_app(HubBackend(states), auth=args.auth, audit=Audit(args.audit_log))
         asyncio.run(serve_forever(app, args.host, args.port, "hub", tls=tls))
     finally:
-        state.close()
+        for state in states:
+            state.close()
     return 0
 
 
