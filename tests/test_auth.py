@@ -168,19 +168,36 @@ def test_no_auth_means_loopback_unless_insecure(tmp_path: Path) -> None:
 
 @pytest.mark.skipif(fuse_unusable() is not None, reason=f"no FUSE: {fuse_unusable()}")
 def test_a_mount_presents_the_token_of_its_environment(stack, tmp_path: Path) -> None:
-    ds, _, s, _ = stack
+    ds, _, s, root = stack
     mp = tmp_path / "mnt"
     mp.mkdir()
     name = "class1/img0001.jpg"
+    big = "shards/shard-000.tar"  # blocks over HTTP and, on this host, the cache files
     env = {k: v for k, v in os.environ.items() if k != "SPOKEFS_TOKEN"}
     with pytest.raises(MountError, match="token"):
         MountProcess(f"{s.url}/ds", mp, env=env).start(timeout=60)
     unmount(mp)
+    # A read token's status names no cache folder: the mount reads over HTTP, and says how
+    # to name the folder.
     with MountProcess(f"{s.url}/ds", mp, env={"SPOKEFS_TOKEN": READER}) as m:
+        assert (mp / big).read_bytes() == (ds / big).read_bytes()
+        assert any("--spoke-cache" in line for line in m.output), "".join(m.output)
+    cache = root / "cache"
+    assert cache.stat().st_mode & 0o777 == 0o700  # the spoke keeps its folder to itself
+    with MountProcess(f"{s.url}/ds", mp, "--spoke-cache", str(cache),
+                      env={"SPOKEFS_TOKEN": READER}) as m:
         assert (mp / name).read_bytes() == (ds / name).read_bytes()
-        big = "shards/shard-000.tar"  # blocks over HTTP and, on this host, the cache files
         assert (mp / big).read_bytes() == (ds / big).read_bytes()
         assert any("short circuit on" in line for line in m.output), "".join(m.output)
+    # A folder others may write is not trusted, whatever it holds.
+    cache.chmod(0o770)
+    try:
+        with MountProcess(f"{s.url}/ds", mp, "--spoke-cache", str(cache),
+                          env={"SPOKEFS_TOKEN": READER}) as m:
+            assert (mp / big).read_bytes() == (ds / big).read_bytes()
+            assert not any("short circuit on" in line for line in m.output)
+    finally:
+        cache.chmod(0o700)
 
 
 # -- TLS ---------------------------------------------------------------------------------------

@@ -76,6 +76,13 @@ class Forbidden(SpokeError):
     code = "forbidden"
 
 
+class LimitReached(SpokeError):
+    """A table the server keeps is full (owners of announced jobs): refused, not forgotten."""
+
+    status = 429
+    code = "limit_reached"
+
+
 class RangeNotSatisfiable(SpokeError):
     status = 416
     code = "range_not_satisfiable"
@@ -196,6 +203,10 @@ def from_status(status: int, body: dict | None, fallback: str) -> SpokeError:
         return BadRequest(message)
     if status == 413:
         return TooLarge(message)
+    if status == 429:
+        return LimitReached(message)
+    if status == 502:
+        return BadUpstream(message)
     if status == 503:
         return UpstreamUnavailable(message, str(err.get("upstream", "")), str(err.get("cause", "")))
     return SpokeError(f"HTTP {status}: {message}")

@@ -17,11 +17,12 @@ another host, where the same path may name another folder or none, falls back to
 from __future__ import annotations
 
 import os
+import stat
 from dataclasses import dataclass
 from pathlib import Path
 
 from spokefs.cache.segments import SegmentFiles
-from spokefs.cache.store import CHUNK, INSTANCE_FILE, read_loc, read_loc_into
+from spokefs.cache.store import CHUNK, INSTANCE_FILE, KEY_FILE, read_loc, read_loc_into
 
 
 class _Segment:
@@ -66,15 +67,37 @@ class SharedCache:
         """Whether this process can read the spoke's own cache folder (same host, same
         folder, permission to read)."""
         try:
-            return (self.dir / INSTANCE_FILE).read_text().strip() == self.id
-        except OSError:
+            fd = os.open(self.dir / INSTANCE_FILE, os.O_RDONLY | os.O_NOFOLLOW)
+            with os.fdopen(fd) as f:
+                return f.read().strip() == self.id
+        except (OSError, UnicodeDecodeError):
             return False
+
+    def trusted_key(self) -> bytes | None:
+        """The folder's internal key (``cache.store.internal_key``) if the folder is one a
+        spoke keeps: a real folder (no symlink) that nobody but its owner can read or write
+        (mode 0700 or less), holding a key file of the same owner, private to it. A reader
+        that presents the key and is answered knows the folder is the spoke's own; anything
+        else and the short circuit stays off. None when not so."""
+        try:
+            st = os.lstat(self.dir)
+            fd = os.open(self.dir / KEY_FILE, os.O_RDONLY | os.O_NOFOLLOW)
+            with os.fdopen(fd, "rb") as f:
+                kst = os.fstat(f.fileno())
+                key = f.read(256).strip()
+        except OSError:
+            return None
+        if (not stat.S_ISDIR(st.st_mode) or st.st_mode & 0o077 or not stat.S_ISREG(kst.st_mode)
+                or kst.st_uid != st.st_uid or kst.st_mode & 0o077 or not key):
+            return None
+        return key
 
     def _segment(self, seg_id: int) -> _Segment | None:
         seg = self._segs.get(seg_id)
         if seg is None:
             try:
-                fd = os.open(self.dir / "segments" / SegmentFiles.name(seg_id), os.O_RDONLY)
+                fd = os.open(self.dir / "segments" / SegmentFiles.name(seg_id),
+                             os.O_RDONLY | os.O_NOFOLLOW)
             except OSError:
                 return None
             seg = self._segs[seg_id] = _Segment(seg_id, fd)

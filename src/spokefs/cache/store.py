@@ -80,6 +80,7 @@ FORMAT = "2"  # 1: a file per block under blocks/
 
 
 INSTANCE_FILE = "instance"
+KEY_FILE = "internal.key"  # the internal routes' credential for same-host readers (0600)
 LOCK_FILE = "lock"
 # SQLite's primary result codes that mean the index file itself is damaged or is not an index.
 _CORRUPT_CODES = (sqlite3.SQLITE_CORRUPT, sqlite3.SQLITE_NOTADB)
@@ -160,6 +161,36 @@ def instance_id(cache_dir: Path) -> str:
     tmp.write_text(new + "\n")
     tmp.replace(path)
     return new
+
+
+def internal_key(cache_dir: Path) -> bytes:
+    """The cache folder's secret, made once (mode 0600): a process that can read it can read
+    the cache files too, so presenting it (``X-Spokefs-Internal``) is what lets a same-host
+    reader of those files (a mount's short circuit) use the spoke's internal routes."""
+    path = cache_dir / KEY_FILE
+    try:
+        existing = path.read_bytes().strip()
+        if existing:
+            return existing
+    except FileNotFoundError:
+        pass
+    tmp = path.with_suffix(f".{os.getpid()}.tmp")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write(secrets.token_hex(32) + "\n")
+    tmp.replace(path)
+    return path.read_bytes().strip()
+
+
+def _make_private(root: Path) -> None:
+    """The cache folder is the spoke user's alone (mode 0700): its files are the dataset's
+    bytes, readable by nobody the spoke's tokens would not let read them, and a same-host
+    reader trusts only a folder so kept (``cache.shared.SharedCache.trusted_key``)."""
+    mode = os.stat(root).st_mode & 0o777
+    if mode & 0o077:
+        os.chmod(root, mode & 0o700)
+        log.info("cache: %s is now mode %o (was %o): the spoke's user's alone", root,
+                 mode & 0o700, mode)
 
 
 def chunk_digests(data: memoryview | bytes, chunk: int = CHUNK) -> bytes:
@@ -297,6 +328,7 @@ class BlockStore:
         self._pending: dict[int, int] = {}  # segment id -> reservations being written
         self._held: dict[BlockKey, list] = {}  # key -> [holders, Loc, removed meanwhile]
         self.instance = ""  # the folder's id (spokefs.cache.shared), set by open()
+        self.key: bytes | None = None  # the folder's internal key (internal_key), by open()
         self._writes: list[_Write] = []
         self._writes_lock = threading.Lock()
         self._write_queued = False
@@ -364,6 +396,8 @@ class BlockStore:
             db = self._open_db()
             rows = []
         self.instance = instance_id(self.root)
+        self.key = internal_key(self.root)
+        _make_private(self.root)
         self._worker = StoreWorker(db, self.fsync, self._index_failed)
         self._recover(rows)
         self._worker.start()

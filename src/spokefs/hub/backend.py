@@ -98,7 +98,9 @@ class HubBackend(PublishedSnapshots):
         self.registry = CollectorRegistry()
         self._manifests = ManifestMemo()
         self._scan_lock = asyncio.Lock()
-        self._open: OrderedDict[str, tuple[BinaryIO, StoredFile]] = OrderedDict()
+        # By (dataset, version): a version opened for one dataset is never served through
+        # another's URL (identical content has one version id in both: each checks its own).
+        self._open: OrderedDict[tuple[str, str], tuple[BinaryIO, StoredFile]] = OrderedDict()
         self._checked: dict[str, float] = {}  # dataset -> when refresh() last ran
         self.gone = Counter("spokefs_hub_versions_gone", "Reads of versions no longer on disk",
                             registry=self.registry)
@@ -136,7 +138,8 @@ class HubBackend(PublishedSnapshots):
         file rewritten, replaced or deleted: 410, never other bytes). The caller owns the
         returned file object (a duplicate of the cached descriptor)."""
         root = self.states[name].root
-        hit = self._open.get(version)
+        key = (name, version)
+        hit = self._open.get(key)
         if hit is not None:
             f, stored = hit
             try:
@@ -145,9 +148,9 @@ class HubBackend(PublishedSnapshots):
             except OSError:
                 same = False
             if same:
-                self._open.move_to_end(version)
+                self._open.move_to_end(key)
                 return os.fdopen(os.dup(f.fileno()), "rb", buffering=0), stored
-            del self._open[version]
+            del self._open[key]
             f.close()
         stored = self._stored(name, version)
         # No realpath walk: the identity check below refuses any other file, one reached
@@ -167,7 +170,7 @@ class HubBackend(PublishedSnapshots):
             self.gone.inc()
             raise VersionGone(f"{stored.path!r} changed on the hub since its snapshot; version "
                               f"{version} is no longer available: use a newer snapshot")
-        self._open[version] = (f, stored)
+        self._open[key] = (f, stored)
         while len(self._open) > OPEN_FILES:
             self._open.popitem(last=False)[1][0].close()
         return os.fdopen(os.dup(f.fileno()), "rb", buffering=0), stored

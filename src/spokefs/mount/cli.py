@@ -58,6 +58,10 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="read everything over HTTP, even on the spoke's own host (by default "
                    "the mount reads resident blocks from the spoke's cache files, checking "
                    "every byte, when it can read them)")
+    m.add_argument("--spoke-cache", type=Path, metavar="DIR",
+                   help="the spoke's cache folder on this host, for the short circuit (by "
+                   "default the folder the spoke's status names, which it shows only to an "
+                   "admin token or without --auth)")
     m.add_argument("--log-file", type=Path,
                    help="where a background mount logs (default "
                    "~/.local/state/spokefs/mount/NAME-HASH.log)")
@@ -84,7 +88,8 @@ def _mount(args: argparse.Namespace) -> int:
                         cache_size=args.cache_size or 0, deadline=args.deadline,
                         allow_other=args.allow_other,
                         read_ahead_kb=args.read_ahead_kb or DEFAULT_READ_AHEAD_KB,
-                        short_circuit=not args.no_short_circuit)
+                        short_circuit=not args.no_short_circuit,
+                        spoke_cache=args.spoke_cache)
     if not args.foreground:
         return _daemonise(args)
     return _foreground(opts, args.ready_fd)
@@ -126,6 +131,8 @@ def _daemonise(args: argparse.Namespace) -> int:
         cmd += ["--read-ahead-kb", str(args.read_ahead_kb)]
     if args.no_short_circuit:
         cmd.append("--no-short-circuit")
+    if args.spoke_cache is not None:
+        cmd += ["--spoke-cache", str(args.spoke_cache.absolute())]
     cmd += [args.url, str(args.mountpoint.absolute())]
     with open(log_file, "ab") as log:
         child = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=log, stderr=log,

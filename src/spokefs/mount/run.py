@@ -47,6 +47,7 @@ class MountOptions:
     allow_other: bool = False
     read_ahead_kb: int = DEFAULT_READ_AHEAD_KB
     short_circuit: bool = True         # read the spoke's cache files when on its host
+    spoke_cache: Path | None = None    # the spoke's cache folder here (else its status's)
 
 
 def fuse_options(opts: MountOptions) -> set[str]:
@@ -61,7 +62,8 @@ def make_source(opts: MountOptions) -> Source:
     target = Target.parse(opts.url)
     if opts.cache_dir is not None:
         return EmbeddedSource(target, opts.cache_dir, opts.cache_size, opts.deadline)
-    return UpstreamSource(target, opts.deadline, short_circuit=opts.short_circuit)
+    return UpstreamSource(target, opts.deadline, short_circuit=opts.short_circuit,
+                          spoke_cache=opts.spoke_cache)
 
 
 def clear_stale(mountpoint: Path) -> None:

@@ -34,7 +34,7 @@ from spokefs.manifest import Manifest
 from spokefs.retry import retrying
 from spokefs.wire.backend import FileSegment
 from spokefs.wire.client import UpstreamClient
-from spokefs.wire.headers import H_SNAPSHOT
+from spokefs.wire.headers import H_INTERNAL, H_SNAPSHOT
 from spokefs.wire.http1 import DataClient
 
 log = logging.getLogger(__name__)
@@ -90,7 +90,7 @@ class UpstreamSource:
     (``ShortCircuit``), and only what is missing goes over HTTP."""
 
     def __init__(self, target: Target, deadline: float = 30.0, max_connections: int = 32,
-                 short_circuit: bool = True) -> None:
+                 short_circuit: bool = True, spoke_cache: Path | None = None) -> None:
         self.target = target
         self.deadline = deadline
         # The per-request timeout is the deadline too: a hung upstream cannot outlast it.
@@ -99,6 +99,7 @@ class UpstreamSource:
         self.ranges = DataClient(target.base, max_connections=max_connections,
                                  idle_timeout=max(deadline, 1.0))
         self.want_short_circuit = short_circuit
+        self.spoke_cache = spoke_cache
         self._snapshot: dict[str, str] = {}
         self.local: ShortCircuit | None = None
 
@@ -118,7 +119,8 @@ class UpstreamSource:
         self._snapshot = {H_SNAPSHOT: m.snapshot}
         if self.want_short_circuit:
             self.local = await ShortCircuit.probe(self.client, t.dataset, m.snapshot,
-                                                  m.block_size, self.deadline)
+                                                  m.block_size, self.deadline,
+                                                  self.spoke_cache)
         return m
 
     async def read_into(self, version: str, start: int, buf: memoryview) -> int:
@@ -166,8 +168,9 @@ class ShortCircuit:
     LOCS_KEPT = 1 << 18  # block locations kept (~300 bytes each); the oldest go first
 
     def __init__(self, client: UpstreamClient, dataset: str, snapshot: str, block_size: int,
-                 cache: SharedCache, deadline: float) -> None:
+                 cache: SharedCache, deadline: float, key: bytes) -> None:
         self.client = client
+        self._key = {H_INTERNAL: key.decode("ascii", "replace")}  # locate and reads need it
         self.dataset = dataset
         # Named in every locate and report: the spoke keeps this snapshot's files cached
         # while the mount reads them, even after the source changed (retire_stale).
@@ -194,27 +197,35 @@ class ShortCircuit:
 
     @classmethod
     async def probe(cls, client: UpstreamClient, dataset: str, snapshot: str,
-                    block_size: int, deadline: float) -> ShortCircuit | None:
+                    block_size: int, deadline: float, spoke_cache: Path | None = None
+                    ) -> ShortCircuit | None:
         """A short circuit if the upstream is a spoke whose cache folder this process can
-        read (the same host and folder: the id it keeps there matches); else None."""
+        read (the same host and folder: the id it keeps there matches, the folder is the
+        spoke user's alone and holds its key); else None. The folder is ``spoke_cache``,
+        else the one the spoke's status names (to an admin token, or without --auth)."""
         try:
             status = await client.get_json("/v1/status")
         except (Transient, SpokeError) as exc:
             log.info("short circuit off: the spoke's status is unavailable (%s)", exc)
             return None
         info = status.get("cache") if status.get("role") == "spoke" else None
-        if not isinstance(info, dict) or not info.get("dir") or not info.get("id"):
+        if not isinstance(info, dict) or not info.get("id"):
             return None  # a hub: nothing cached to read
-        cache = SharedCache(Path(str(info["dir"])), str(info["id"]),
-                            int(info.get("chunk_size") or CHUNK))
-        if not cache.usable():
+        where = spoke_cache or (Path(str(info["dir"])) if info.get("dir") else None)
+        if where is None:
+            log.info("short circuit off: the spoke's status names no cache folder to this "
+                     "token; give --spoke-cache DIR to read its files from this host")
+            return None
+        cache = SharedCache(where, str(info["id"]), int(info.get("chunk_size") or CHUNK))
+        key = cache.trusted_key() if cache.usable() else None
+        if key is None:
             log.info("short circuit off: cannot read the spoke's cache at %s from here "
                      "(another host or container, or no permission); reading over HTTP",
-                     info["dir"])
+                     where)
             return None
         log.info("short circuit on: reading resident blocks from the spoke's cache at %s",
-                 info["dir"])
-        return cls(client, dataset, snapshot, block_size, cache, deadline)
+                 where)
+        return cls(client, dataset, snapshot, block_size, cache, deadline, key)
 
     async def read_into(self, version: str, start: int, buf: memoryview) -> int | None:
         """Fill ``buf`` from bytes ``start`` on of a version; the count, or None to read it
@@ -380,7 +391,8 @@ class ShortCircuit:
         try:
             async with asyncio.timeout(self.deadline):
                 return await self.client.post_json(f"/v1/datasets/{self.dataset}/{what}",
-                                                   {**doc, "snapshots": self.snapshots})
+                                                   {**doc, "snapshots": self.snapshots},
+                                                   self._key)
         except TimeoutError as exc:
             raise ReadFailed(f"the spoke gave no answer within {self.deadline:g}s ({what})"
                              ) from exc
@@ -427,7 +439,7 @@ class ShortCircuit:
                     await self.client.post_json(
                         f"/v1/datasets/{self.dataset}/reads",
                         {"reads": self._reads, "by": "mount", "bytes": self._located_bytes,
-                         "snapshots": self.snapshots})
+                         "snapshots": self.snapshots}, self._key)
         if self._sweeper is not None:
             self._sweeper.cancel()
         self.cache.close()

@@ -42,10 +42,20 @@ from spokefs.manifest import Manifest
 from spokefs.policy import BlockKey
 from spokefs.retry import retrying
 from spokefs.tasks import Tasks
-from spokefs.wire.backend import BlockPart, DatasetInfo, ManifestMemo, ReadContext, Segment
+from spokefs.wire.backend import (
+    BlockPart,
+    DatasetInfo,
+    DatasetVersions,
+    ManifestMemo,
+    ReadContext,
+    Segment,
+    bound_blocks,
+    merge_parts,
+)
 from spokefs.wire.bodies import read_body
 from spokefs.wire.client import UpstreamClient
-from spokefs.wire.headers import H_AUTH_ADMIN, H_AUTH_NAME, H_JOB, H_MEMBER, H_PEER, H_READER
+from spokefs.wire.headers import H_FORWARDED, H_INTERNAL, H_JOB, H_MEMBER, H_PEER, H_READER
+from spokefs.wire.routetable import Owner
 from spokefs.wire.server import build_app
 
 log = logging.getLogger(__name__)
@@ -54,24 +64,11 @@ Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
 CHECK_IN_THREAD = 1 << 20
 REPORT_EVERY = 0.05      # seconds between reports of reads and counts to the primary
-PROXIED = [              # the primary's own routes: a replica forwards them as they are
-    ("GET", "/metrics"), ("GET", "/v1/status"),
-    ("POST", "/v1/datasets/{ds}/snapshots"),
-    ("POST", "/v1/datasets/{ds}/jobs/{job}/order"),
-    ("POST", "/v1/datasets/{ds}/jobs/{job}/epoch"),
-    ("POST", "/v1/datasets/{ds}/jobs/{job}/steps"),  # the primary keeps the jobs
-    ("DELETE", "/v1/datasets/{ds}/jobs/{job}"),
-    ("POST", "/v1/datasets/{ds}/warm"),
-    ("POST", "/v1/datasets/{ds}/unpin"),
-    ("GET", "/v1/inventory"),
-    ("POST", "/v1/datasets/{ds}/residency"),
-    ("POST", "/v1/purge"),
-    ("POST", "/v1/datasets/{ds}/locate"),
-    ("POST", "/v1/datasets/{ds}/reads"),
-]
 # Not Content-Encoding: the body goes as it came, and the primary knows a compressed one by
 # its first bytes (spoke.routes).
-_FORWARDED_HEADERS = ("Content-Type", "Range", H_READER, H_JOB, H_PEER, H_MEMBER)
+# The reader's Authorization goes too: the primary checks it again (wire.authz).
+_FORWARDED_HEADERS = ("Authorization", "Content-Type", "Range", H_READER, H_JOB, H_PEER,
+                      H_MEMBER, H_INTERNAL)
 
 
 class ReplicaBackend:
@@ -98,6 +95,8 @@ class ReplicaBackend:
         self._used: dict[str, set[str]] = {}  # snapshots read here since the last report
         self._counts = {"served_bytes": 0}  # hits and misses: counted with reads, locates
         self._checker = ThreadPoolExecutor(2, thread_name_prefix="spokefs-check")
+        self.versions = DatasetVersions(self.dataset, self.manifest,
+                                        lambda name: self._used.get(name, ()))
         self.served: Any = None
 
     # -- lifecycle ---------------------------------------------------------------------------
@@ -155,14 +154,11 @@ class ReplicaBackend:
     async def forward(self, request: web.Request) -> web.Response:
         """Pass a request to the primary and its answer back."""
         headers = {h: request.headers[h] for h in _FORWARDED_HEADERS if h in request.headers}
-        token = request.get("token")
-        if token is not None:  # checked here; the primary hears whose request it is
-            headers[H_AUTH_NAME] = token.name
-            headers[H_AUTH_ADMIN] = "1" if token.admin else "0"
+        headers[H_FORWARDED] = "1"  # not the replica's own request: the token decides
         body = bytes(await read_body(request))  # bounded, like the primary's own
         status, rh, data = await self._call(
             f"{request.method} {request.path}", self.primary.forward, request.method,
-            request.path_qs, headers, body)
+            request.raw_path, headers, body)
         out = {k: v for k, v in rh.items() if k.lower() in (
             "content-type", "content-encoding", "etag", "cache-control", "content-range")
             or k.lower().startswith("x-spokefs-")}
@@ -251,6 +247,7 @@ class ReplicaBackend:
 
     # -- data --------------------------------------------------------------------------------
     async def object_size(self, name: str, version: str) -> int:
+        await self.versions.check(name, version)
         loc = self._locs.get((version, 0))
         if loc is None:
             loc = (await self._locate(name, [(version, 0)], fetch=True))[0]
@@ -259,11 +256,13 @@ class ReplicaBackend:
         return loc.object_size
 
     async def block_digest(self, name: str, version: str, index: int) -> bytes | None:
+        await self.versions.check(name, version)
         loc = self._locs.get((version, index))
         return None if loc is None else loc.digest
 
     async def read(self, name: str, version: str, start: int, end: int,
                    ctx: ReadContext | None = None) -> AsyncIterator[Segment]:
+        await self.versions.check(name, version)
         bs = (await self.dataset(name)).block_size
         ctx = ctx or ReadContext()
         context = {"path": ctx.path, "size": ctx.size, "reader": ctx.reader, "job": ctx.job}
@@ -344,6 +343,10 @@ class ReplicaBackend:
         return int(headers.get("Content-Length", "0"))
 
     async def read_blocks(self, name: str, blocks: list[tuple[str, int]]) -> list[BlockPart]:
+        blocks, refused = await bound_blocks(self.versions, name, blocks)
+        return merge_parts(await self._read_blocks(name, blocks), refused)
+
+    async def _read_blocks(self, name: str, blocks: list[tuple[str, int]]) -> list[BlockPart]:
         missing = [k for k in blocks if k not in self._locs]
         if missing:
             await self._locate(name, missing, fetch=True)
@@ -361,26 +364,39 @@ class ReplicaBackend:
         return parts
 
 
-def build_replica_app(backend: ReplicaBackend, auth: Path | None = None,
-                      audit: Audit | None = None) -> web.Application:
-    async def flush(request: web.Request) -> web.Response:
-        await backend._report()
+class _Own:
+    """A replica worker's own route (``wire.routetable``: owner ``replica``)."""
+
+    def __init__(self, backend: ReplicaBackend) -> None:
+        self.backend = backend
+
+    async def flush(self, request: web.Request) -> web.Response:
+        await self.backend._report()
         return web.json_response({})
+
+
+def build_replica_app(backend: ReplicaBackend, auth: Path | None = None,
+                      audit: Audit | None = None,
+                      internal_key: Callable[[], bytes | None] | None = None
+                      ) -> web.Application:
+    """Reads answered here; the table's ``primary`` routes forwarded to the primary, which
+    checks the reader's token again (``wire.authz``)."""
 
     @web.middleware
     async def peers_to_primary(request: web.Request, handler: Handler) -> web.StreamResponse:
         """A tier member's batch read (``X-Spokefs-Peer``) is the primary's to answer: it
         fetches what is missing as the block's owner (the upstream, never a third member),
-        and answers a handoff from its cache only; a replica would fetch as a reader does."""
+        and answers a handoff from its cache only; a replica would fetch as a reader does.
+        (Only a batch read carries the mark: ``wire.authz.well_formed``.)"""
         if H_PEER in request.headers:
             return await backend.forward(request)
         return await handler(request)
 
-    routes = [web.post("/v1/workers/flush", flush)]
-    routes += [web.route(method, path, backend.forward) for method, path in PROXIED]
-    app = build_app(backend, routes, auth=auth,  # type: ignore[arg-type]
-                    job_owners=False,  # the primary keeps who owns a job
-                    audit=audit)  # this worker's own file (spokefs.audit.worker_file)
+    app = build_app(backend, {Owner.REPLICA: _Own(backend)},  # type: ignore[arg-type]
+                    forward=backend.forward, auth=auth,
+                    jobs=None,  # the primary keeps who owns a job
+                    audit=audit,  # this worker's own file (spokefs.audit.worker_file)
+                    internal_key=internal_key)
     app.middlewares.append(peers_to_primary)  # innermost: after the token was checked
 
     async def lifecycle(app: web.Application) -> AsyncIterator[None]:

@@ -218,24 +218,10 @@ def parse_order(m: Manifest, doc: Fields) -> tuple[int, list[int], list[tuple[in
 
 
 class SpokeRoutes:
+    """The spoke's own handlers; their paths and scopes are in ``wire.routetable``."""
+
     def __init__(self, backend: SpokeBackend) -> None:
         self.backend = backend
-
-    def routes(self) -> list[web.RouteDef]:
-        return [
-            web.post("/v1/datasets/{ds}/jobs/{job}/order", self.order),
-            web.post("/v1/datasets/{ds}/jobs/{job}/epoch", self.epoch),
-            web.post("/v1/datasets/{ds}/jobs/{job}/steps", self.steps),
-            web.delete("/v1/datasets/{ds}/jobs/{job}", self.end_job),
-            web.post("/v1/datasets/{ds}/warm", self.warm),
-            web.post("/v1/datasets/{ds}/unpin", self.unpin),
-            web.get("/v1/inventory", self.inventory),
-            web.post("/v1/datasets/{ds}/residency", self.residency),
-            web.post("/v1/purge", self.purge),
-            web.post("/v1/datasets/{ds}/locate", self.locate),
-            web.post("/v1/datasets/{ds}/reads", self.reads),
-            web.post("/v1/workers/counts", self.counts),
-        ]
 
     async def _manifest(self, ds: str, doc: Fields) -> Manifest:
         snap = check_snapshot_id(doc.text("snapshot") or "latest")

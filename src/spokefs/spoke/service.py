@@ -62,10 +62,13 @@ from spokefs.units import format_size
 from spokefs.wire.backend import (
     BlockPart,
     DatasetInfo,
+    DatasetVersions,
     FileSegment,
     ManifestMemo,
     ReadContext,
     Segment,
+    bound_blocks,
+    merge_parts,
 )
 from spokefs.wire.client import UpstreamClient
 from spokefs.wire.looplag import LoopLag
@@ -214,6 +217,7 @@ class SpokeBackend:
         # Snapshots readers named lately: (dataset, snapshot id) -> when (monotonic). With
         # each dataset's latest, they say which file versions are in use (retire_stale).
         self._snapshots_used: dict[tuple[str, str], float] = {}
+        self.versions = DatasetVersions(self.dataset, self.manifest, self._in_use)
         self._retired_for: dict[str, frozenset[str]] = {}  # dataset -> in-use set at last pass
         self._retire_passes = 0
         self._hits_by_dataset: dict[str, list[int]] = {}  # dataset -> [hits, misses]
@@ -421,7 +425,11 @@ class SpokeBackend:
         return doc
 
     # -- data --------------------------------------------------------------------------------
+    def _in_use(self, name: str) -> list[str]:
+        return [snap for (ds, snap) in self._snapshots_used if ds == name]
+
     async def object_size(self, name: str, version: str) -> int:
+        await self.versions.check(name, version)
         size = self._sizes.get(version)
         if size is None:
             size = self.store.object_size(version)
@@ -437,6 +445,7 @@ class SpokeBackend:
         return size
 
     async def block_digest(self, name: str, version: str, index: int) -> bytes | None:
+        await self.versions.check(name, version)
         key = (version, index)
         loc = self.store.get(key)
         if loc is not None:
@@ -447,6 +456,7 @@ class SpokeBackend:
     async def read(self, name: str, version: str, start: int, end: int,
                    ctx: ReadContext | None = None) -> AsyncIterator[Segment]:
         """The bytes of [start, end), block by block, each checked against its digests."""
+        await self.versions.check(name, version)
         bs = (await self.dataset(name)).block_size
         indexes = blocks_in_range(start, end, bs)
         store, fetcher = self.store, self.fetcher
@@ -573,10 +583,12 @@ class SpokeBackend:
         From another tier member (``X-Spokefs-Peer``): from the cache or the upstream only,
         at the member's priority; a member's handoff (``copy``): from the cache only."""
         peer = PEER_REQUEST.get()
+        blocks, refused = await bound_blocks(self.versions, name, blocks)
         if peer == "copy":  # a member's handoff: what this member holds, nothing fetched
             parts = [await self._cached_block(name, key) for key in blocks]
         else:
             parts = await self._blocks_for(name, blocks, peer)
+        parts = merge_parts(parts, refused)
         if peer is not None and self.tier is not None:
             self.tier.metrics.served.inc(sum(p.length for p in parts if p.status == 200))
         return parts
@@ -689,6 +701,8 @@ class SpokeBackend:
         ``span`` describe the read, for the planner, and make it count: a hit or a miss per
         block, as if this spoke had served it (what a replica or a mount reads elsewhere is
         part of what the spoke does)."""
+        for version in dict.fromkeys(v for v, _ in keys):
+            await self.versions.check(name, version)
         if ctx is not None and span is not None and self.prefetch is not None and keys:
             self._tell_planner(name, keys[0][0], span[0], span[1], ctx)
         for key in keys:

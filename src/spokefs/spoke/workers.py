@@ -194,7 +194,10 @@ def run_worker(role: str, index: int, listen_fd: int, unix_path: str, config_raw
         from spokefs.audit import Audit, worker_file
 
         audit = Audit(worker_file(config.audit_log, index) if config.audit_log else None)
-        asyncio.run(serve_forever(build_replica_app(backend, auth, audit), "", 0,
+        from spokefs.cache.store import internal_key
+
+        key = internal_key(config.cache_dir)  # the primary made it (or this makes it)
+        asyncio.run(serve_forever(build_replica_app(backend, auth, audit, lambda: key), "", 0,
                                   "spoke-worker", sock=sock, unix_path=mine, tls=config.tls()))
     return 0
 

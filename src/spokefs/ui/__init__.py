@@ -5,7 +5,7 @@ nothing fetched from the internet. The page polls ``/v1/status`` and ``/metrics`
 server that served it and draws the charts itself (see docs/dashboard.md).
 
 The page and its files carry no data, so they are served without a token even when the
-server runs with ``--auth`` (``PUBLIC_PATHS``, read by ``wire.server.auth_middleware``); the
+server runs with ``--auth`` (scope ``public`` in ``wire.routetable``); the
 data calls it makes need one, which a person types into the page.
 """
 
@@ -21,7 +21,6 @@ _TYPES = {"index.html": "text/html", "app.js": "text/javascript", "style.css": "
 # other origin (a page for operators must not be a way to run someone else's code).
 _CSP = ("default-src 'none'; script-src 'self'; style-src 'self'; connect-src 'self'; "
         "img-src 'self' data:; base-uri 'none'; form-action 'none'; frame-ancestors 'none'")
-PUBLIC_PATHS = frozenset({"/ui", "/ui/", "/ui/app.js", "/ui/style.css"})
 
 
 @functools.cache
@@ -35,26 +34,19 @@ def _serve(name: str) -> web.Response:
                                  "X-Content-Type-Options": "nosniff"})
 
 
-async def _redirect(request: web.Request) -> web.Response:
+async def redirect(request: web.Request) -> web.Response:
     # The page lives at /ui/ so that its relative links (app.js, ../v1/status) also work
     # behind a proxy that serves this server under a prefix.
     raise web.HTTPFound("ui/")
 
 
-async def _page(request: web.Request) -> web.Response:
+async def page(request: web.Request) -> web.Response:
     return _serve("index.html")
 
 
-async def _script(request: web.Request) -> web.Response:
+async def script(request: web.Request) -> web.Response:
     return _serve("app.js")
 
 
-async def _style(request: web.Request) -> web.Response:
+async def style(request: web.Request) -> web.Response:
     return _serve("style.css")
-
-
-def ui_routes() -> list[web.RouteDef]:
-    """The page's routes: before the plain reads by path, which would take ``/ui`` for a
-    dataset named "ui" (that dataset's files stay readable at ``/ui@latest/...``)."""
-    return [web.get("/ui", _redirect), web.get("/ui/", _page),
-            web.get("/ui/app.js", _script), web.get("/ui/style.css", _style)]

@@ -2,13 +2,13 @@
 
 A server started with ``--auth FILE`` reads one token a line, ``NAME SCOPE TOKEN`` (``#``
 comments and blank lines allowed), SCOPE being ``admin``, ``read`` (every dataset) or
-``read:DS1,DS2``. The file is read again when it changes (checked at most once a second) and
+``read:DS1,DS2``, or ``tier`` (what a spoke tier's members present to each other: the
+routes only the spoke's own processes and members may call, read of every dataset, no admin;
+see ``wire.routetable``). The file is read again when it changes (checked at most once a second) and
 on SIGHUP. Every request names its token in ``Authorization: Bearer TOKEN``; without one the
 answer is 401, with one that does not allow the request 403, both saying which.
 
-What needs ``admin``: purge, warm-up and pins, snapshots, residency, and changing another
-token's job (its order, epochs, end). Everything else needs ``read`` of the dataset it names
-(or of any dataset, for requests that name none).
+Which route needs which scope is said once, in ``wire.routetable.ROUTES``.
 
 Clients take their token from ``SPOKEFS_TOKEN``, else from the file named by
 ``SPOKEFS_TOKEN_FILE`` (what ``--token-file`` sets), never from a command line. Tokens are never
@@ -40,6 +40,7 @@ class Token:
     name: str
     admin: bool
     datasets: frozenset[str] | None  # None: every dataset
+    internal: bool = False  # a tier member's token, or the spoke's own processes
 
     def may_read(self, dataset: str | None) -> bool:
         if self.admin or self.datasets is None:
@@ -50,6 +51,8 @@ class Token:
     def scope(self) -> str:
         if self.admin:
             return "admin"
+        if self.internal:
+            return "tier"
         return "read" if self.datasets is None else "read:" + ",".join(sorted(self.datasets))
 
 
@@ -74,11 +77,13 @@ def parse_tokens(text: str, where: str = "token file") -> dict[bytes, Token]:
             token = Token(name, True, None)
         elif scope == "read":
             token = Token(name, False, None)
+        elif scope == "tier":
+            token = Token(name, False, None, internal=True)
         elif scope.startswith("read:") and all(scope[5:].split(",")):
             token = Token(name, False, frozenset(scope[5:].split(",")))
         else:
-            raise ConfigError(f"{where} line {n}: scope {scope!r} is not admin, read or "
-                              "read:DS1,DS2")
+            raise ConfigError(f"{where} line {n}: scope {scope!r} is not admin, read, "
+                              "read:DS1,DS2 or tier")
         if len(secret) < 16:
             raise ConfigError(f"{where} line {n}: token of {name!r} is shorter than 16 "
                               "characters; use e.g. `openssl rand -hex 24`")

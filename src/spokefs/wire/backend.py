@@ -10,13 +10,13 @@ from __future__ import annotations
 import asyncio
 import json
 from collections import OrderedDict
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
 from dataclasses import dataclass, field
 from typing import BinaryIO, Protocol
 
 from prometheus_client import CollectorRegistry
 
-from spokefs.errors import SpokeError
+from spokefs.errors import NotFound, SpokeError
 from spokefs.manifest import Manifest
 
 
@@ -129,3 +129,79 @@ class ManifestMemo:
         while len(self._m) > self.keep:
             self._m.popitem(last=False)
         return m, True
+
+
+async def bound_blocks(versions: DatasetVersions, name: str, blocks: list[tuple[str, int]]
+                       ) -> tuple[list[tuple[str, int]], dict[int, BlockPart]]:
+    """A batch read's blocks split into those of ``name``'s versions and error frames (by
+    position) for the others (``DatasetVersions``)."""
+    bad: dict[str, SpokeError] = {}
+    for version in dict.fromkeys(v for v, _ in blocks):
+        try:
+            await versions.check(name, version)
+        except NotFound as exc:
+            bad[version] = exc
+    if not bad:
+        return blocks, {}
+    errors = {i: BlockPart.error(bad[v]) for i, (v, _) in enumerate(blocks) if v in bad}
+    return [b for b in blocks if b[0] not in bad], errors
+
+
+def merge_parts(parts: list[BlockPart], errors: dict[int, BlockPart]) -> list[BlockPart]:
+    """``bound_blocks``' error frames put back in their places among the served parts."""
+    if not errors:
+        return parts
+    it = iter(parts)
+    return [errors[i] if i in errors else next(it) for i in range(len(parts) + len(errors))]
+
+
+class DatasetVersions:
+    """Whether a version id is a file of a dataset: a spoke serves a block read through
+    ``/v1/datasets/DS/...`` or ``/DS/...`` only then. Its cache and fetcher key blocks by
+    version, and identical content has one version id in every dataset, so a block kept for
+    another dataset is served here only if DS has that content too; a version learned from a
+    dataset the token may not read reads nothing through this one's URL (404).
+
+    Looked up in the manifests of the dataset's latest snapshot, the snapshots readers named
+    lately (``in_use``) and the newest ``RECENT`` others; what was found is remembered
+    (``KEEP`` pairs), so a read pays one dictionary look-up.
+    """
+
+    RECENT = 8
+    KEEP = 1 << 18
+
+    def __init__(self, dataset: Callable[[str], Awaitable[DatasetInfo]],
+                 manifest: Callable[[str, str], Awaitable[Manifest]],
+                 in_use: Callable[[str], Iterable[str]] = lambda name: ()) -> None:
+        self._dataset = dataset
+        self._manifest = manifest
+        self._in_use = in_use
+        self._known: OrderedDict[tuple[str, str], None] = OrderedDict()
+        self._sets: OrderedDict[tuple[str, str], frozenset[str]] = OrderedDict()
+
+    async def check(self, name: str, version: str) -> None:
+        """NotFound unless ``version`` is a file of dataset ``name``."""
+        key = (name, version)
+        if key in self._known:
+            return
+        info = await self._dataset(name)
+        snaps = [info.latest] if info.latest else []
+        snaps += list(self._in_use(name))
+        snaps += [str(s.get("id")) for s in reversed(info.snapshots[-self.RECENT:])]
+        for snap in dict.fromkeys(snaps):  # once each, in that order
+            if version in await self._versions(name, snap):
+                self._known[key] = None
+                if len(self._known) > self.KEEP:
+                    self._known.popitem(last=False)
+                return
+        raise NotFound(f"{version} is not a file of dataset {name!r} (in its latest or recent "
+                       "snapshots)")
+
+    async def _versions(self, name: str, snap: str) -> frozenset[str]:
+        key = (name, snap)
+        got = self._sets.get(key)
+        if got is None:
+            got = self._sets[key] = frozenset((await self._manifest(name, snap)).versions)
+            while len(self._sets) > 4:
+                self._sets.popitem(last=False)
+        return got

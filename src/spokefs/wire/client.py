@@ -174,9 +174,11 @@ class UpstreamClient:
         self._check(status, body, path)
         return json.loads(body)
 
-    async def post_json(self, path: str, doc: object) -> dict:
+    async def post_json(self, path: str, doc: object,
+                        headers: dict[str, str] | None = None) -> dict:
         try:
-            async with self.session.post(f"{self.base_url}{path}", json=doc) as resp:
+            async with self.session.post(f"{self.base_url}{path}", json=doc,
+                                         headers=headers) as resp:
                 self.last_received = time.monotonic()
                 body = await self._body(resp, self.max_json_bytes, f"POST {path}")
                 status = resp.status

@@ -8,9 +8,12 @@ H_VERSION = "X-Spokefs-Version"
 H_SNAPSHOT = "X-Spokefs-Snapshot"
 H_READER = "X-Spokefs-Reader"  # names one sequential stream (a worker, a file handle)
 H_JOB = "X-Spokefs-Job"        # names the training job, for announced orders and learning
-# Whose request a replica worker forwards to its primary (over the Unix socket only).
-H_AUTH_NAME = "X-Spokefs-Auth-Name"
-H_AUTH_ADMIN = "X-Spokefs-Auth-Admin"
+# A replica worker forwards a reader's request to its primary (over the Unix socket) with
+# this mark and the reader's own Authorization header: the primary checks the token again.
+H_FORWARDED = "X-Spokefs-Forwarded"
+# The cache folder's key (``cache/store.py``, ``internal.key``): what a same-host reader of
+# the cache files (a mount's short circuit) presents for the internal routes.
+H_INTERNAL = "X-Spokefs-Internal"
 # On a batch read from one tier member to another (``demand`` or ``prefetch``): the answering
 # member serves it from its cache or its upstream, never from another member (no loops);
 # ``copy``: from its cache only (a handoff).

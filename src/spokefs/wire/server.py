@@ -16,27 +16,33 @@ import functools
 import html
 import logging
 import os
-import socket
 import time
 from collections.abc import AsyncIterator, Callable
 from email.utils import formatdate
 from pathlib import Path
+from typing import Any
 from urllib.parse import quote
 
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, Counter, generate_latest
 
+from spokefs import ui
 from spokefs.audit import Audit
-from spokefs.errors import BadRequest, NotFound, RangeNotSatisfiable, SpokeError, Unauthorized
+from spokefs.errors import BadRequest, NotFound, RangeNotSatisfiable, SpokeError
 from spokefs.manifest import FileEntry, is_snapshot_id
-from spokefs.ui import PUBLIC_PATHS, ui_routes
-from spokefs.wire.auth import Forbidden, Token, TokenFile
-from spokefs.wire.backend import Backend, BlockPart, FileSegment, ReadContext, Segment
+from spokefs.wire.auth import TokenFile
+from spokefs.wire.authz import (
+    JobOwners,
+    admin_audit_middleware,
+    auth_middleware,
+    visible_metrics,
+    visible_status,
+    well_formed,
+)
+from spokefs.wire.backend import Backend, BlockPart, DatasetInfo, FileSegment, ReadContext, Segment
 from spokefs.wire.bodies import json_body
 from spokefs.wire.frames import HEADER_SIZE, encode_header
 from spokefs.wire.headers import (
-    H_AUTH_ADMIN,
-    H_AUTH_NAME,
     H_BLOCK_SIZE,
     H_DIGEST,
     H_JOB,
@@ -46,6 +52,7 @@ from spokefs.wire.headers import (
 )
 from spokefs.wire.paths import check_dataset_name, clean_path, split_dataset_ref
 from spokefs.wire.ranges import parse_range
+from spokefs.wire.routetable import Owner, bind, openapi
 
 log = logging.getLogger(__name__)
 
@@ -265,37 +272,32 @@ class Api:
         self._ok = self.requests.labels("object", "200")  # the children the hot path bumps
         self._partial = self.requests.labels("object", "206")
 
-    def routes(self) -> list[web.RouteDef]:
-        return [
-            web.get("/metrics", self.metrics),
-            web.get("/v1/status", self.status),
-            web.get("/v1/datasets", self.list_datasets),
-            web.get("/v1/datasets/{ds}", self.get_dataset),
-            web.post("/v1/datasets/{ds}/snapshots", self.create_snapshot),
-            web.get("/v1/datasets/{ds}/snapshots/{snap}", self.get_snapshot),
-            web.get("/v1/datasets/{ds}/snapshots/{snap}/manifest", self.get_manifest),
-            web.get("/v1/datasets/{ds}/snapshots/{snap}/entries/{path:.*}", self.get_entry),
-            web.get("/v1/datasets/{ds}/objects/{version}", self.get_object),  # GET and HEAD
-            web.post("/v1/datasets/{ds}/blocks", self.read_blocks),
-            *ui_routes(),  # the dashboard: before "/{ref}", which would take "/ui"
-            web.get("/", self.root_index),
-            web.get("/{ref}", self.plain_redirect),
-            web.get("/{ref}/{path:.*}", self.plain_read),
-        ]
+    async def openapi(self, request: web.Request) -> web.Response:
+        """The routes this server answers, with the scope each needs (``wire.routetable``)."""
+        owners = [Owner.API, Owner.UI] + ([Owner.SPOKE] if self.backend.role == "spoke"
+                                          else [])
+        return web.json_response(openapi(owners, f"spokefs {self.backend.role}"))
 
     # -- JSON API ----------------------------------------------------------------------------
     async def metrics(self, request: web.Request) -> web.Response:
         before = getattr(self.backend, "before_scrape", None)
         if before is not None:  # a spoke gathers its replica workers' counts first
             await before()
-        body = generate_latest(self.backend.registry)
+        body = visible_metrics(generate_latest(self.backend.registry), request.get("token"))
         return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_LATEST})
 
     async def status(self, request: web.Request) -> web.Response:
-        return web.json_response(await self.backend.status())
+        return web.json_response(visible_status(await self.backend.status(),
+                                                request.get("token")))
+
+    async def _readable(self, request: web.Request) -> list[DatasetInfo]:
+        """The datasets the request's token may read (every one without --auth)."""
+        token = request.get("token")
+        infos = await self.backend.datasets()
+        return [i for i in infos if token is None or token.may_read(i.name)]
 
     async def list_datasets(self, request: web.Request) -> web.Response:
-        infos = await self.backend.datasets()
+        infos = await self._readable(request)
         return web.json_response({"datasets": [i.to_json() for i in infos]})
 
     async def get_dataset(self, request: web.Request) -> web.Response:
@@ -446,7 +448,7 @@ class Api:
 
     # -- plain reads by path -----------------------------------------------------------------
     async def root_index(self, request: web.Request) -> web.Response:
-        infos = await self.backend.datasets()
+        infos = await self._readable(request)
         links = "".join(f'<li><a href="{quote(i.name)}/">{html.escape(i.name)}/</a></li>'
                         for i in infos)
         return _html_page("spokefs datasets", links)
@@ -501,126 +503,33 @@ def _html_page(title: str, items: str, headers: dict[str, str] | None = None) ->
     return web.Response(text=body, content_type="text/html", headers=headers)
 
 
-# What needs an admin token (spokefs.wire.auth); every other route needs read of its dataset.
-ADMIN_ROUTES = frozenset({
-    ("POST", "/v1/purge"), ("POST", "/v1/datasets/{ds}/warm"),
-    ("POST", "/v1/datasets/{ds}/unpin"), ("POST", "/v1/datasets/{ds}/snapshots"),
-    ("POST", "/v1/datasets/{ds}/residency"), ("GET", "/v1/inventory"),
-})
-# A job's order, epochs, step reports and end belong to the token that announced it (or an
-# admin).
-JOB_ROUTES = frozenset({
-    ("POST", "/v1/datasets/{ds}/jobs/{job}/order"), ("POST", "/v1/datasets/{ds}/jobs/{job}/epoch"),
-    ("POST", "/v1/datasets/{ds}/jobs/{job}/steps"),
-    ("DELETE", "/v1/datasets/{ds}/jobs/{job}"),
-})
-# A replica worker forwards requests it has checked to the primary over the cache folder's
-# unix socket (trusted: only this host's spoke user can reach it), saying whose they are
-# (H_AUTH_NAME, H_AUTH_ADMIN).
 AUTH_KEY = web.AppKey("auth", TokenFile)
 # What else SIGHUP reads again (a spoke's dataset rules): callables, run in order.
 RELOAD_KEY = web.AppKey("reload", list)
 
 
-def _dataset_of(request: web.Request) -> str | None:
-    ds = request.match_info.get("ds")
-    if ds is None and "ref" in request.match_info:
-        ds = request.match_info["ref"].partition("@")[0]
-    return ds
-
-
-def auth_middleware(tokens: TokenFile, job_owners: bool = True,
-                    audit: Audit | None = None) -> Callable:
-    """``job_owners``: keep who announced each job (the process that owns jobs: a spoke's
-    primary, not a replica worker, which forwards job requests to it). ``audit``: where
-    refusals are recorded (by the token's name, never its secret)."""
-    owners: dict[tuple[str, str], str] = {}  # (dataset, job) -> the token that announced it
-    audit = audit or Audit()
-
-    @web.middleware
-    async def check(request: web.Request, handler: Callable) -> web.StreamResponse:
-        try:
-            return await checked(request, handler)
-        except (Unauthorized, Forbidden) as exc:
-            token = request.get("token")
-            audit.refused(request, exc.status, str(exc), token.name if token else None)
-            raise
-
-    async def checked(request: web.Request, handler: Callable) -> web.StreamResponse:
-        if request.method in ("GET", "HEAD") and request.path in PUBLIC_PATHS:
-            return await handler(request)  # the dashboard's own files: no data in them
-        transport = request.transport
-        sock = transport.get_extra_info("socket") if transport is not None else None
-        if sock is not None and sock.family == socket.AF_UNIX:
-            name = request.headers.get(H_AUTH_NAME, "")
-            admin = request.headers.get(H_AUTH_ADMIN) == "1" or not name
-            token = Token(name, admin, None)
-        else:
-            token = tokens.check(request.headers.get("Authorization"))
-        request["token"] = token  # for the audit log, also when refused below
-        resource = request.match_info.route.resource
-        key = (request.method, resource.canonical if resource is not None else "")
-        ds = _dataset_of(request)
-        if key in ADMIN_ROUTES and not token.admin:
-            raise Forbidden(f"token {token.name!r} ({token.scope}) may not "
-                            f"{request.method} {key[1]}: that needs an admin token")
-        if ds is not None and not token.may_read(ds):
-            raise Forbidden(f"token {token.name!r} ({token.scope}) may not read dataset {ds!r}")
-        if job_owners and key in JOB_ROUTES and ds is not None:
-            job = (ds, request.match_info["job"])
-            owner = owners.get(job)
-            if owner is not None and owner != token.name and not token.admin:
-                raise Forbidden(f"job {job[1]!r} of {ds!r} was announced with token {owner!r}; "
-                                f"token {token.name!r} may not change it")
-            if request.method == "DELETE":
-                owners.pop(job, None)
-            elif len(owners) < 65_536:
-                owners[job] = token.name
-        return await handler(request)
-
-    return check
-
-
-def admin_audit_middleware(audit: Audit) -> Callable:
-    """One audit line per operator action (ADMIN_ROUTES), with its outcome."""
-
-    @web.middleware
-    async def record(request: web.Request, handler: Callable) -> web.StreamResponse:
-        resource = request.match_info.route.resource
-        if (request.method, resource.canonical if resource is not None else "") \
-                not in ADMIN_ROUTES:
-            return await handler(request)
-        status = 500
-        try:
-            resp = await handler(request)
-            status = resp.status
-            return resp
-        except (web.HTTPException, SpokeError) as exc:
-            status = exc.status
-            raise
-        finally:
-            audit.admin(request, status)
-
-    return record
-
-
-def build_app(backend: Backend, extra_routes: list[web.RouteDef] | None = None,
-              auth: Path | None = None, job_owners: bool = True,
-              audit: Audit | None = None) -> web.Application:
-    """The API over ``backend``; with ``auth`` (a token file), every request needs a token.
-    ``audit``: the audit log (closed with the app)."""
-    middlewares: list[Callable] = [errors_middleware]
+def build_app(backend: Backend, handlers: dict[Owner, Any] | None = None,
+              forward: Callable | None = None, auth: Path | None = None,
+              jobs: JobOwners | None = None, audit: Audit | None = None,
+              internal_key: Callable[[], bytes | None] | None = None) -> web.Application:
+    """The API over ``backend``, with the table's routes of ``handlers``' owners besides
+    (``wire.routetable``: its routes and nothing else; ``forward``: a replica worker's, for
+    the routes the primary answers). With ``auth`` (a token file), every request is checked
+    against its route's scope (``wire.authz``). ``jobs``: where job owners are kept (the
+    process that keeps jobs). ``internal_key``: the cache folder's key, for same-host readers
+    of a spoke's cache. ``audit``: the audit log (closed with the app)."""
+    middlewares: list[Callable] = [errors_middleware, well_formed]
     tokens = TokenFile(auth) if auth is not None else None
     if tokens is not None:
-        middlewares.append(auth_middleware(tokens, job_owners, audit))
+        middlewares.append(auth_middleware(tokens, internal_key, jobs, audit))
     if audit is not None and audit.enabled:
         middlewares.append(admin_audit_middleware(audit))  # inside auth: the token is known
     app = web.Application(middlewares=middlewares, client_max_size=64 * 1024 * 1024)
     if tokens is not None:
         app[AUTH_KEY] = tokens
     app[BACKEND_KEY] = backend
-    api = Api(backend, audit)
-    app.add_routes((extra_routes or []) + api.routes())
+    app.add_routes(bind({Owner.API: Api(backend, audit), Owner.UI: ui, **(handlers or {})},
+                        forward))
     if audit is not None:
         async def close_audit(app: web.Application) -> None:  # after the backend's cleanup
             audit.close()
