@@ -272,8 +272,8 @@ def test_three_spokes_share_one_copy_and_survive_a_member(tier3) -> None:
         m["url"] == b and m["state"] == "down" for m in status(a)["tier"]["members"]))
     assert metric(a, "spokefs_tier_peer_requests_total", peer=b, outcome="failed") > 0
     # A purge through A cannot reach B: it says so and fails (of a dataset nobody holds).
-    p = subprocess.run([sys.executable, "-m", "spokefs.cli", "purge", f"{a}/other"],
-                       capture_output=True, text=True)
+    p = subprocess.run([sys.executable, "-m", "spokefs.cli", "purge", f"{a}/other",
+                        "--members", f"{b},{c}"], capture_output=True, text=True)
     assert p.returncode == 1 and f"{b}: NOT PURGED" in p.stderr, (p.stdout, p.stderr)
     assert "on 2 of 3 tier members" in p.stdout
 
@@ -347,13 +347,21 @@ def test_members_keep_copies_in_spare_room_and_read_them_locally(tmp_path: Path)
         wait_until("C to hold its share again", lambda: owned_and_copies(urls)[0] == owned)
         # Where the bytes are: every member's inventory, through one.
         inv = json.loads(subprocess.run(
-            [sys.executable, "-m", "spokefs.cli", "inventory", "--tier", "--json", a],
+            [sys.executable, "-m", "spokefs.cli", "inventory", "--tier", "--json", a,
+             "--members", ",".join(urls)],
             check=True, capture_output=True, text=True).stdout)
         assert [m["url"] for m in inv["members"]] == sorted(urls)
         assert [m["inventory"]["datasets"][0]["bytes"] for m in inv["members"]] == [
             status(u)["cache"]["data_bytes"] for u in sorted(urls)]
-        # A purge through one member purges the tier: shares and copies alike.
-        out = subprocess.run([sys.executable, "-m", "spokefs.cli", "purge", f"{a}/ds"],
+        # The admin token goes only to members the operator names: without them, one
+        # member is purged and the command says the others were not (and fails).
+        p = subprocess.run([sys.executable, "-m", "spokefs.cli", "purge", f"{a}/other"],
+                           capture_output=True, text=True)
+        assert p.returncode == 1 and "name them with --members" in p.stderr, p.stderr
+        # A purge through one member and the others named purges the tier: shares and
+        # copies alike.
+        out = subprocess.run([sys.executable, "-m", "spokefs.cli", "purge", f"{a}/ds",
+                              "--members", ",".join(urls)],
                              check=True, capture_output=True, text=True).stdout
         assert "on 3 of 3 tier members" in out, out
         assert [status(u)["cache"]["data_bytes"] for u in urls] == [0, 0, 0]

@@ -56,9 +56,13 @@ def register(sub: argparse._SubParsersAction) -> None:
     purge.add_argument("url", metavar="URL")
     purge.add_argument("paths", nargs="*", metavar="PATH",
                        help="files or folders of the dataset (default: all of it)")
+    purge.add_argument("--members", type=_url_list, metavar="URL,URL,...",
+                       help="on a spoke tier, the other members to purge too (each holds its "
+                       "share and copies of others' blocks); the admin token goes only to "
+                       "URLs named here, never to a list a server gives")
     purge.add_argument("--this-member-only", action="store_true",
-                       help="on a member of a spoke tier, purge it alone (default: every "
-                       "member, each holding its share and copies of others' blocks)")
+                       help="on a member of a spoke tier, purge it alone, and exit 0 although "
+                       "other members hold blocks too")
     purge.set_defaults(func=_purge)
 
     inv = sub.add_parser("inventory", help="what a spoke holds, per dataset and snapshot",
@@ -68,8 +72,12 @@ def register(sub: argparse._SubParsersAction) -> None:
     inv.add_argument("url", metavar="URL", help="http://spoke:port")
     inv.add_argument("--json", action="store_true", help="print raw JSON")
     inv.add_argument("--tier", action="store_true",
-                     help="on a member of a spoke tier, every member's, one after another "
-                     "(JSON: {\"members\": [{\"url\", \"inventory\" or \"error\"}]})")
+                     help="every member's of a spoke tier, one after another, of the members "
+                     "--members names (JSON: {\"members\": [{\"url\", \"inventory\" or "
+                     "\"error\"}]})")
+    inv.add_argument("--members", type=_url_list, metavar="URL,URL,...",
+                     help="with --tier: the other members (the admin token goes only to URLs "
+                     "named here, never to a list a server gives)")
     inv.set_defaults(func=_inventory)
 
     ls = sub.add_parser("ls", help="list a folder of a dataset snapshot")
@@ -79,6 +87,12 @@ def register(sub: argparse._SubParsersAction) -> None:
     cat = sub.add_parser("cat", help="write a file of a dataset snapshot to stdout")
     cat.add_argument("url", metavar="URL")
     cat.set_defaults(func=_cat)
+
+
+def _url_list(text: str) -> list[str]:
+    from spokefs.tier.rendezvous import normalise_url
+
+    return [normalise_url(u) for u in text.split(",") if u.strip()]
 
 
 def _read_list(path: Path) -> list[str]:
@@ -109,6 +123,7 @@ def _warm(args: argparse.Namespace) -> int:
 
 def _inventory(args: argparse.Namespace) -> int:
     from spokefs.client.sync import Client
+    from spokefs.errors import ConfigError
 
     base = args.url.rstrip("/")
     client = Client(base)
@@ -116,10 +131,13 @@ def _inventory(args: argparse.Namespace) -> int:
         doc = client.get_json("/v1/inventory")
         print(json.dumps(doc, indent=2) if args.json else _inventory_table(doc))
         return 0
+    if not args.members:
+        raise ConfigError("--tier needs --members URL,URL,...: the admin token goes only to "
+                          "the URLs you name, never to the member list a server gives")
+    urls = sorted(dict.fromkeys([base, *args.members]))
     members: list[dict[str, object]] = [
         {"url": url, "inventory": got} if err is None else {"url": url, "error": err}
-        for url, got, err in _each_member((_tier(client) or ([base], base))[0],
-                                          lambda c: c.get_json("/v1/inventory"))]
+        for url, got, err in _each_member(urls, lambda c: c.get_json("/v1/inventory"))]
     if args.json:
         print(json.dumps({"members": members}, indent=2))
     else:
@@ -130,10 +148,11 @@ def _inventory(args: argparse.Namespace) -> int:
     return 1 if any("error" in m for m in members) else 0
 
 
-def _tier(client: Any) -> tuple[list[str], str] | None:
-    """A tier member's member URLs and its own URL; None for a spoke on its own."""
+def _tier_size(client: Any) -> int:
+    """How many members the spoke's tier has (1: a spoke on its own). Only a count: the URLs
+    a server lists are never where a token is sent."""
     tier = client.get_json("/v1/status").get("tier")
-    return ([m["url"] for m in tier["members"]], tier["self"]) if tier else None
+    return len(tier["members"]) if tier else 1
 
 
 def _each_member(urls: list[str], call: Callable[[Any], dict]
@@ -225,6 +244,7 @@ def _purge(args: argparse.Namespace) -> int:
     from spokefs.client.sync import Client
     from spokefs.client.urls import parse_url
     from spokefs.errors import ConfigError
+    from spokefs.tier.rendezvous import normalise_url
 
     if "/" in args.url.split("://", 1)[-1].strip("/"):
         u = parse_url(args.url)
@@ -242,15 +262,23 @@ def _purge(args: argparse.Namespace) -> int:
     client = Client(base)
     r = client.post_json("/v1/purge", doc)
     what = f"{r['files']} files" if args.paths else (ds or "everything")
-    tier = None if args.this_member_only else _tier(client)
-    if tier is None:
+    if args.this_member_only:
         print(f"freed {format_size(r['freed_bytes'])} ({what})")
         return 0
-    # A tier: each member holds its share of the blocks, and copies of others'.
-    members, me = tier
+    others = [u for u in dict.fromkeys(args.members or []) if u != normalise_url(base)]
+    if not others:
+        size = _tier_size(client)
+        print(f"freed {format_size(r['freed_bytes'])} ({what})")
+        if size == 1:
+            return 0
+        # A tier: each member holds its share of the blocks, and copies of others'.
+        print(f"this spoke is one of {size} tier members; the others keep their blocks: "
+              "name them with --members URL,URL,... (the admin token goes only to URLs you "
+              "name), or say --this-member-only", file=sys.stderr)
+        return 1
+    members = [base, *others]
     freed, failed = int(r["freed_bytes"]), []
     print(f"{base}: freed {format_size(r['freed_bytes'])}")
-    others = [u for u in members if u != me]
     for url, got, err in _each_member(others, lambda c: c.post_json("/v1/purge", doc)):
         if got is None:
             failed.append(url)

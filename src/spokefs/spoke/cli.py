@@ -138,6 +138,10 @@ def _serve(args: argparse.Namespace) -> int:
     for field, value in tier_config(args, args.host, args.port, tls is not None).items():
         setattr(config, field, value)
     config.tier_token()  # an unreadable tier token file stops the spoke before it starts
+    if config.tiered() and args.auth is not None and config.tier_token_file is None:
+        raise ConfigError("a tier whose members ask for tokens (--auth) needs "
+                          "--tier-token-file: the tier's own token, a line 'NAME tier TOKEN' "
+                          "in every member's --auth file (never the hub's token)")
     from spokefs.wire.auth import TokenFile, check_bind
 
     check_bind(args.host, args.auth, args.insecure, "spoke")

@@ -131,10 +131,12 @@ class SpokeConfig:
         return bool(self.tier or self.tier_dns or self.tier_kubernetes)
 
     def tier_token(self) -> str | None:
-        """The token this member presents to the other members (their --auth must hold it):
-        --tier-token-file's, else its upstream token."""
+        """The token this member presents to the other members (their --auth files hold it,
+        scope ``tier``): --tier-token-file's, else none. Never the upstream token: the hub's
+        credential goes to the hub only, and a member's token opens members' internal
+        routes only."""
         if self.tier_token_file is None:
-            return self.upstream_token()
+            return None
         from spokefs.wire.auth import read_token_file
 
         return read_token_file(Path(self.tier_token_file))

@@ -36,8 +36,9 @@ def add_tier_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--tier-refresh", type=parse_duration, default=10.0, metavar="DURATION",
                    help="how often --tier-dns or --tier-kubernetes is read again (default 10s)")
     g.add_argument("--tier-token-file", type=Path, metavar="FILE",
-                   help="the token this member presents to the others (default: "
-                   "--upstream-token-file's); their --auth files must hold it")
+                   help="the token this member presents to the others: a line 'NAME tier "
+                   "TOKEN' of every member's --auth file (needed when they ask for tokens; "
+                   "the tier's own, never the hub's)")
     g.add_argument("--tier-copies", action=argparse.BooleanOptionalAction, default=True,
                    help="keep a copy of each block got from another member while there is "
                    "room (the next read through this member is local); copies only use room "
