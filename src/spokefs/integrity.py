@@ -13,8 +13,11 @@ from the same region, held meanwhile). The version id is a digest (blake2b-128) 
 the block size and the block digests, so equal content has one id and any change gives a new
 one.
 
-xxh3 guards against accidents (bit rot, torn writes, a file changed under the hub), not against
-an adversary; TLS and authentication are the answer to that.
+Because the version id comes from the manifest a spoke pinned, it is what every received
+block is checked against (``spoke.commitments``): a sender cannot pass other bytes off with a
+digest made to match them. xxh3 itself guards against accidents (bit rot, torn writes, a file
+changed under the hub), not against an adversary able to make a block with a given xxh3-128;
+TLS and authentication are the answer to that.
 """
 
 from __future__ import annotations

@@ -131,10 +131,10 @@ def _inventory(args: argparse.Namespace) -> int:
         doc = client.get_json("/v1/inventory")
         print(json.dumps(doc, indent=2) if args.json else _inventory_table(doc))
         return 0
-    if not args.members:
+    if not args.members and _tier_size(client) > 1:
         raise ConfigError("--tier needs --members URL,URL,...: the admin token goes only to "
                           "the URLs you name, never to the member list a server gives")
-    urls = sorted(dict.fromkeys([base, *args.members]))
+    urls = sorted(dict.fromkeys([base, *(args.members or [])]))
     members: list[dict[str, object]] = [
         {"url": url, "inventory": got} if err is None else {"url": url, "error": err}
         for url, got, err in _each_member(urls, lambda c: c.get_json("/v1/inventory"))]

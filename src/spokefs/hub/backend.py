@@ -61,6 +61,8 @@ class PublishedSnapshots:
     """The metadata half of a hub's Backend: datasets, snapshots, manifests. The same for a
     folder and a bucket; each says how it finds a dataset's state (``_state``)."""
 
+    content_ids = False  # whether version ids are content digests (DatasetInfo.content_ids)
+
     _manifests: ManifestMemo
 
     def _state(self, name: str) -> SnapshotState:
@@ -70,7 +72,7 @@ class PublishedSnapshots:
         st = self._state(name)
         snaps = st.snapshots()
         return DatasetInfo(name, st.block_size, snaps[-1].id if snaps else None,
-                           [s.to_json() for s in snaps])
+                           [s.to_json() for s in snaps], content_ids=self.content_ids)
 
     async def resolve(self, name: str, snap: str) -> str:
         return self._state(name).resolve(snap).id
@@ -88,6 +90,7 @@ class PublishedSnapshots:
 
 
 class HubBackend(PublishedSnapshots):
+    content_ids = True  # a folder's version ids digest its content (integrity.version_id)
     role = "hub"
 
     def __init__(self, states: list[HubState]) -> None:
@@ -177,6 +180,19 @@ class HubBackend(PublishedSnapshots):
 
     async def object_size(self, name: str, version: str) -> int:
         return self._stored(name, version).size
+
+    async def digests(self, name: str, versions: list[str]) -> dict[str, object]:
+        """What each version commits to: its size and block digests (``spoke.commitments``);
+        null for a version this dataset does not have (any more)."""
+        out: dict[str, object] = {}
+        for v in versions:
+            try:
+                stored = self._stored(name, v)
+            except SpokeError:
+                out[v] = None
+                continue
+            out[v] = {"size": stored.size, "digests": stored.digests.hex()}
+        return out
 
     async def block_digest(self, name: str, version: str, index: int) -> bytes | None:
         d = self._stored(name, version).digests

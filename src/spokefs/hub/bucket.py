@@ -262,6 +262,12 @@ class BucketBackend(PublishedSnapshots):
     async def datasets(self) -> list[DatasetInfo]:
         return [await self.dataset(self.st.name)]
 
+    async def digests(self, name: str, versions: list[str]) -> dict[str, object]:
+        """A bucket's version ids name a listing, not content (``content_ids`` false): they
+        commit to no digests, so there are none to give."""
+        self._state(name)
+        return dict.fromkeys(versions)
+
     def _stored(self, name: str, version: str) -> ObjectInfo:
         st = self._state(name)
         obj = st.stored(version)

@@ -52,6 +52,7 @@ from spokefs.errors import (
 from spokefs.linkmodel import LinkModel
 from spokefs.policy import BlockKey
 from spokefs.retry import backoff_delays
+from spokefs.spoke.commitments import Commitments
 from spokefs.spoke.fetchqueue import QUEUED, Batch, Entry, FetchQueue
 from spokefs.spoke.metrics import SpokeMetrics
 from spokefs.spoke.tier import Route, Tier
@@ -237,6 +238,8 @@ class Fetcher:
         self.arenas = Arenas()
         self._hasher: ThreadPoolExecutor | None = None
         self.expected_size: Callable[[str, BlockKey], int] = lambda ds, key: 4 << 20
+        # What each version commits to (spoke.commitments); None: frames' digests only.
+        self.commitments: Commitments | None = None
 
     # -- asking --------------------------------------------------------------------------------
     def want(self, dataset: str, key: BlockKey, priority: int,
@@ -572,28 +575,68 @@ class Fetcher:
                  digests: tuple[bytes, bytes], padded: memoryview | None,
                  peer: str | None = None) -> None:
         if digests[0] != h.digest:
-            f.bad += 1
-            where = "upstream" if peer is None else "peer"
-            self.metrics.integrity_failures.labels(where).inc()
-            what = f"block {f.key[1]} of {f.key[0]} ({f.dataset})"
-            log.warning("%s from %s failed its digest check (attempt %d)", what,
-                        "upstream" if peer is None else f"tier member {peer}", f.bad,
-                        extra={"event": "integrity_failure", "where": where})
-            if peer is not None and f.bad < MAX_DIGEST_FAILURES:
-                self._reroute([f], peer)  # not from that member again
-                return
-            if f.bad >= MAX_DIGEST_FAILURES:
-                self._end(f, error=IntegrityError(
-                    f"{what} failed its digest check {f.bad} times; the upstream's copy may "
-                    "be changing or damaged"))
-            else:
-                self._requeue(f)
+            self._refused(f, peer, "failed its digest check")
+            return
+        self._committed(f, h, buf, digests, padded, peer)
+
+    def _committed(self, f: Fetch, h: FrameHeader, buf: memoryview,
+                   digests: tuple[bytes, bytes], padded: memoryview | None,
+                   peer: str | None) -> None:
+        """Keep the block only if its digest is the one its version commits to
+        (``spoke.commitments``), learning the version's digest list first when needed."""
+        verdict = (True if self.commitments is None
+                   else self.commitments.verdict(f.dataset, f.key, h.digest, h.object_size))
+        if verdict is None:
+            assert self.commitments is not None
+            learn = self.commitments.learn(f.dataset, f.key[0])
+
+            def learned(fut: asyncio.Future[None]) -> None:
+                if f.future.done():
+                    return
+                if fut.cancelled() or fut.exception() is not None:
+                    exc = None if fut.cancelled() else fut.exception()
+                    if isinstance(exc, Transient | UpstreamUnavailable) or exc is None:
+                        self._retry([f], f"the digests of {f.key[0]}: {exc}")
+                    else:
+                        self._end(f, error=exc)
+                    return
+                if self.commitments.verdict(f.dataset, f.key, h.digest,  # type: ignore[union-attr]
+                                            h.object_size) is None:
+                    self._end(f, error=IntegrityError(
+                        f"the upstream gave no digests for {f.key[0]} ({f.dataset})"))
+                    return
+                self._committed(f, h, buf, digests, padded, peer)
+
+            learn.add_done_callback(learned)
+            return
+        if not verdict:
+            self._refused(f, peer, "is not what its version commits to")
             return
         block = Block(buf, h.digest, h.object_size, digests[1])
         block.padded = padded
         if peer is not None and self.tier is not None:
             self.tier.got(f.key)
         self._end(f, block=block)
+
+    def _refused(self, f: Fetch, peer: str | None, why: str) -> None:
+        """A block whose bytes are not the dataset's: never kept or served. Asked again
+        (of the next member, for a member's), and after MAX_DIGEST_FAILURES an error."""
+        f.bad += 1
+        where = "upstream" if peer is None else "peer"
+        self.metrics.integrity_failures.labels(where).inc()
+        what = f"block {f.key[1]} of {f.key[0]} ({f.dataset})"
+        log.warning("%s from %s %s (attempt %d)", what,
+                    "upstream" if peer is None else f"tier member {peer}", why, f.bad,
+                    extra={"event": "integrity_failure", "where": where})
+        if peer is not None and f.bad < MAX_DIGEST_FAILURES:
+            self._reroute([f], peer)  # not from that member again
+            return
+        if f.bad >= MAX_DIGEST_FAILURES:
+            self._end(f, error=IntegrityError(
+                f"{what} {why} {f.bad} times; the upstream's copy may be changing, damaged "
+                "or altered on the way"))
+        else:
+            self._requeue(f)
 
     # -- ends ----------------------------------------------------------------------------------
     def _end(self, f: Fetch, block: Block | None = None,

@@ -206,8 +206,7 @@ class ReplicaBackend:
         if cached is not None and now - cached[0] < self.latest_ttl:
             return cached[1]
         doc = await self._call(f"dataset {name}", self.primary.get_json, f"/v1/datasets/{name}")
-        info = DatasetInfo(doc["name"], int(doc.get("block_size", DEFAULT_BLOCK_SIZE)),
-                           doc.get("latest"), list(doc.get("snapshots", [])))
+        info = DatasetInfo.from_json(doc, DEFAULT_BLOCK_SIZE)
         self._datasets[name] = (now, info)
         return info
 

@@ -39,6 +39,7 @@ from spokefs.cache.feed import ResidencyFeed
 from spokefs.cache.store import BlockStore, Loc, read_loc
 from spokefs.errors import (
     BadRequest,
+    BadUpstream,
     ConfigError,
     NotFound,
     SpokeError,
@@ -51,6 +52,7 @@ from spokefs.manifest import Manifest, is_snapshot_id
 from spokefs.planner import Planner
 from spokefs.policy import POLICIES, BlockKey, CopiesFirst, EvictionPolicy, make_policy
 from spokefs.retry import retrying
+from spokefs.spoke.commitments import Commitments
 from spokefs.spoke.datasets import DatasetConfig
 from spokefs.spoke.fetcher import Block, Fetcher
 from spokefs.spoke.jobsignal import JobSignal
@@ -193,6 +195,8 @@ class SpokeBackend:
         # What this spoke (and, in a tier, its members) holds: residency and the planner.
         self.held = _Held(self.store, self.fetcher)
         self.fetcher.expected_size = self._expected_size
+        self.commitments = Commitments(self._known_dataset, self.dataset, self._upstream_digests)
+        self.fetcher.commitments = self.commitments
         # Checks of large reads run here, off the event loop (xxhash and pread release the GIL)
         self._checker = ThreadPoolExecutor(2, thread_name_prefix="spokefs-check")
         self.prefetch: PrefetchDriver | None = None  # set by start() unless disabled
@@ -318,19 +322,50 @@ class SpokeBackend:
             raise UpstreamUnavailable(
                 f"upstream {self.config.upstream} is unreachable and dataset {name!r} was "
                 f"never seen by this spoke: {exc}", self.config.upstream, str(exc)) from exc
-        info = DatasetInfo(doc["name"], int(doc.get("block_size", DEFAULT_BLOCK_SIZE)),
-                           doc.get("latest"), list(doc.get("snapshots", [])))
+        info = DatasetInfo.from_json(doc, DEFAULT_BLOCK_SIZE)
         self._datasets[name] = (now, info)
         self._unconfirmed.discard(name)
         self.store.kv_set(f"dataset:{name}", json.dumps(info.to_json()))
         return info
 
+    def _known_dataset(self, name: str) -> DatasetInfo | None:
+        """The dataset's info as this spoke has it now (memory, then disk); no I/O upstream."""
+        cached = self._datasets.get(name)
+        return cached[1] if cached is not None else self._persisted_dataset(name)
+
+    async def _upstream_digests(self, name: str, versions: list[str]) -> dict[str, object]:
+        doc = await self._retrying(f"the digests of {len(versions)} versions",
+                                   self.upstream.post_json, f"/v1/datasets/{name}/digests",
+                                   {"versions": versions})
+        got = doc.get("digests") if isinstance(doc, dict) else None
+        if not isinstance(got, dict):
+            raise BadUpstream("the upstream's digests answer is malformed")
+        return got
+
+    async def digests(self, name: str, versions: list[str]) -> dict[str, object]:
+        """What each version commits to, for a downstream spoke: learned from the upstream
+        (and checked against the version id) once, then from memory."""
+        out: dict[str, object] = {}
+        for v in versions:
+            try:
+                await self.versions.check(name, v)
+                await self.commitments.learn(name, v)
+            except NotFound:
+                out[v] = None
+                continue
+            c = self.commitments.digests_of(v)
+            if c is None:  # one block: the upstream's list, as it said (checked on use)
+                got = (await self._upstream_digests(name, [v])).get(v)
+                out[v] = got
+                continue
+            out[v] = {"size": c.size, "digests": c.digests.hex()}
+        return out
+
     def _persisted_dataset(self, name: str) -> DatasetInfo | None:
         raw = self.store.kv_get(f"dataset:{name}")
         if raw is None:
             return None
-        d = json.loads(raw)
-        return DatasetInfo(d["name"], d["block_size"], d["latest"], d["snapshots"])
+        return DatasetInfo.from_json(json.loads(raw), DEFAULT_BLOCK_SIZE)
 
     async def datasets(self) -> list[DatasetInfo]:
         doc = await self._retrying("the dataset list", self.upstream.get_json, "/v1/datasets")

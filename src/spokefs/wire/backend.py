@@ -26,10 +26,22 @@ class DatasetInfo:
     block_size: int
     latest: str | None
     snapshots: list[dict[str, object]] = field(default_factory=list)
+    # Version ids are content digests (integrity.version_id): a spoke checks every block
+    # against them (spoke.commitments). A bucket hub's name a listing instead.
+    content_ids: bool = False
 
     def to_json(self) -> dict[str, object]:
         return {"name": self.name, "block_size": self.block_size, "latest": self.latest,
-                "snapshots": self.snapshots}
+                "snapshots": self.snapshots, "content_ids": self.content_ids}
+
+    @classmethod
+    def from_json(cls, doc: dict[str, object], default_block_size: int) -> DatasetInfo:
+        """A dataset document from an upstream, or as a spoke kept it."""
+        bs = doc.get("block_size")
+        return cls(str(doc["name"]), int(bs) if isinstance(bs, int) else default_block_size,
+                   doc.get("latest"),  # type: ignore[arg-type]
+                   list(doc.get("snapshots") or []),  # type: ignore[call-overload]
+                   doc.get("content_ids") is True)
 
 
 @dataclass(slots=True)
@@ -98,6 +110,8 @@ class Backend(Protocol):
     async def manifest(self, name: str, snap_id: str) -> Manifest: ...
     async def object_size(self, name: str, version: str) -> int: ...  # NotFound, VersionGone
     async def block_digest(self, name: str, version: str, index: int) -> bytes | None: ...
+    # What versions commit to: {version: {"size", "digests": hex} or None}
+    async def digests(self, name: str, versions: list[str]) -> dict[str, object]: ...
     def read(self, name: str, version: str, start: int, end: int,
              ctx: ReadContext | None = None) -> AsyncIterator[Segment]: ...
     async def read_blocks(self, name: str, blocks: list[tuple[str, int]]

@@ -117,6 +117,8 @@ ROUTES: tuple[Route, ...] = (
           summary="bytes of a file version (Range; HEAD too)"),
     Route("POST", _DS + "/blocks", "read_blocks", Scope.READ, _A,
           summary="a batch read: many whole blocks, framed with their digests"),
+    Route("POST", _DS + "/digests", "digests", Scope.READ, _A, primary=True,
+          summary="what file versions commit to: size and block digests"),
     # The dashboard: before "/{ref}", which would take "/ui".
     Route("GET", "/ui", "redirect", Scope.PUBLIC, _U, summary="the dashboard"),
     Route("GET", "/ui/", "page", Scope.PUBLIC, _U, summary="the dashboard"),

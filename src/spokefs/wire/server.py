@@ -60,6 +60,7 @@ MANIFEST_TYPE = "application/vnd.spokefs.manifest+json"
 BLOCKS_TYPE = "application/vnd.spokefs.blocks"
 MAX_BATCH = 4096             # blocks in one batch read
 MAX_BATCH_BODY = 1 << 20     # bytes of a batch read's body (MAX_BATCH blocks is ~200 KiB)
+MAX_DIGESTS = 1024           # versions in one digests request
 _COALESCE = 1 << 20          # small frames are gathered into writes of about this size
 _SMALL_PAYLOAD = 256 * 1024  # a file payload up to this is read and gathered, not sendfile'd
 _GATHER = 1 << 20            # a read up to this is answered in one piece
@@ -354,6 +355,18 @@ class Api:
                 raise BadRequest(f"invalid {H_SNAPSHOT} header {snap[:80]!r}: a snapshot id")
             self.backend.snapshots_used(ds, [snap])
         return await self._serve(request, ds, version, extra_headers={H_VERSION: version})
+
+    async def digests(self, request: web.Request) -> web.Response:
+        """``{"versions": [id, ...]}`` -> ``{"digests": {id: {"size", "digests": hex} or
+        null}}``: what each version commits to (docs/protocol.md, "Digests")."""
+        ds = check_dataset_name(request.match_info["ds"])
+        doc = await json_body(request, MAX_BATCH_BODY)
+        versions = doc.get("versions") if isinstance(doc, dict) else None
+        if (not isinstance(versions, list) or not versions or len(versions) > MAX_DIGESTS
+                or not all(isinstance(v, str) and check_version(v) for v in versions)):
+            raise BadRequest(f'a digests request needs {{"versions": [version id, ...]}}, '
+                             f"1 to {MAX_DIGESTS} of them")
+        return web.json_response({"digests": await self.backend.digests(ds, versions)})
 
     async def read_blocks(self, request: web.Request) -> web.StreamResponse:
         """Many whole blocks in one response, each framed with its digest (docs/protocol.md,
