@@ -146,40 +146,34 @@ def lock_folder(root: Path) -> int | None:
     return fd
 
 
-def instance_id(cache_dir: Path) -> str:
-    """The cache folder's id, made once and kept in the folder: what another process reads
-    to prove it sees this very folder (spokefs.cache.shared)."""
-    path = cache_dir / INSTANCE_FILE
+def _kept_secret(path: Path, nbytes: int, mode: int) -> str:
+    """A random hex string made once and kept at ``path`` (written whole, then renamed into
+    place, never through a symlink); the one already there if there is one."""
     try:
         existing = path.read_text().strip()
         if existing:
             return existing
     except FileNotFoundError:
         pass
-    new = secrets.token_hex(16)
     tmp = path.with_suffix(f".{os.getpid()}.tmp")
-    tmp.write_text(new + "\n")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, mode)
+    with os.fdopen(fd, "w") as f:
+        f.write(secrets.token_hex(nbytes) + "\n")
     tmp.replace(path)
-    return new
+    return path.read_text().strip()
+
+
+def instance_id(cache_dir: Path) -> str:
+    """The cache folder's id, made once and kept in the folder: what another process reads
+    to prove it sees this very folder (spokefs.cache.shared)."""
+    return _kept_secret(cache_dir / INSTANCE_FILE, 16, 0o644)
 
 
 def internal_key(cache_dir: Path) -> bytes:
     """The cache folder's secret, made once (mode 0600): a process that can read it can read
     the cache files too, so presenting it (``X-Spokefs-Internal``) is what lets a same-host
     reader of those files (a mount's short circuit) use the spoke's internal routes."""
-    path = cache_dir / KEY_FILE
-    try:
-        existing = path.read_bytes().strip()
-        if existing:
-            return existing
-    except FileNotFoundError:
-        pass
-    tmp = path.with_suffix(f".{os.getpid()}.tmp")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o600)
-    with os.fdopen(fd, "w") as f:
-        f.write(secrets.token_hex(32) + "\n")
-    tmp.replace(path)
-    return path.read_bytes().strip()
+    return _kept_secret(cache_dir / KEY_FILE, 32, 0o600).encode()
 
 
 def _make_private(root: Path) -> None:
