@@ -18,7 +18,14 @@ from spokefs.policy import make_policy
 from spokefs.spoke.fetcher import Fetcher
 from spokefs.spoke.metrics import SpokeMetrics
 from spokefs.tasks import Tasks
-from spokefs.wire.frames import HEADER_SIZE, FrameError, FrameHeader, FrameReader, encode_header
+from spokefs.wire.frames import (
+    HEADER_SIZE,
+    MAX_UNWANTED,
+    FrameError,
+    FrameHeader,
+    FrameReader,
+    encode_header,
+)
 from spokefs.wire.http1 import DataClient
 
 
@@ -29,8 +36,12 @@ def frames_of(payloads: list[bytes]) -> bytes:
 
 def collect() -> tuple[FrameReader, list[tuple[FrameHeader, bytes]]]:
     got: list[tuple[FrameHeader, bytes]] = []
-    reader = FrameReader(lambda h: None, lambda h, payload: got.append((h, bytes(payload))))
+    reader = FrameReader(own_buffer, lambda h, payload: got.append((h, bytes(payload))))
     return reader, got
+
+
+def own_buffer(h: FrameHeader) -> memoryview:
+    return memoryview(bytearray(h.length))
 
 
 @pytest.mark.parametrize("split", [1, 7, HEADER_SIZE, HEADER_SIZE + 1, 4096, 1 << 20])
@@ -61,6 +72,18 @@ def test_frames_received_straight_into_their_destination() -> None:
     assert done == [0, 1] and bytes(dest[0]) == payloads[0] and bytes(dest[1]) == b"bbb"
 
 
+def test_a_frame_nobody_asked_for_is_refused_before_a_buffer_of_its_size() -> None:
+    """The sender names a frame's length: an error body or a block nobody wants is kept in
+    a buffer of the reader's only up to MAX_UNWANTED bytes; past it the stream is refused at
+    the header, before anything of that size is made."""
+    got: list[int] = []
+    reader = FrameReader(lambda h: None, lambda h, p: got.append(len(p)))
+    reader.feed(memoryview(encode_header(0, 404, MAX_UNWANTED) + bytes(MAX_UNWANTED)))
+    assert got == [MAX_UNWANTED] and reader.between_frames
+    with pytest.raises(FrameError, match=f"at most {MAX_UNWANTED}"):
+        reader.feed(memoryview(encode_header(1, 200, 1 << 31)))
+
+
 def test_a_body_that_is_not_frames_is_refused() -> None:
     reader, _ = collect()
     with pytest.raises(FrameError, match="magic"):
@@ -86,7 +109,7 @@ def test_data_client_reads_a_batch_from_the_hub(ro_hub, ro_dataset: Path) -> Non
         blocks.append(("0" * 32, 0))  # a version the hub never had: an error frame
         got: dict[int, tuple[FrameHeader, bytes]] = {}
         body = json.dumps({"blocks": [list(b) for b in blocks]}).encode()
-        n = await client.read_blocks("/v1/datasets/ds/blocks", body, lambda h: None,
+        n = await client.read_blocks("/v1/datasets/ds/blocks", body, own_buffer,
                                      lambda h, p: got.__setitem__(h.seq, (h, bytes(p))))
         await client.close()
         assert n == len(blocks)

@@ -353,6 +353,28 @@ def test_order_with_shard_ranges_and_next_epoch() -> None:
     assert len(h.fetches("demand")) == 0
 
 
+def test_epoch_after_epoch_holds_two_epochs_not_all_of_them() -> None:
+    """A job announcing epoch 0, 1, 2, ... without reading (or reading slowly) holds the
+    latest epoch and the one before it: older ones go, with their pins and their futures."""
+    m = tree({"train": 100})
+    h = Harness(m, lookahead_bytes=2 * MiB)
+    order = list(range(100))
+    for epoch in range(40):
+        h.send(OrderAnnounced("ds", "j", epoch, order))
+        cur = h.p.orders.cursors[("ds", "j")]
+        assert len(cur) <= 2 * len(order)
+        held = sum(1 for n in h.pins.values() if n)
+        assert sum(h.pins.values()) <= len(order) and held <= len(order)
+    futures = [a for a in h.actions if isinstance(a, SetFuture)]
+    resets = [a for a in futures if not a.append]
+    assert resets and all(len(a.keys) <= 2 * len(order) for a in futures)
+    assert h.p.orders.status()[("ds", "j")]["positions"] == 40 * len(order)
+    # The reader, arriving late, still runs along the order it holds: epoch 38's positions.
+    for i in order[:10]:
+        h.read(i, job="j")
+    assert h.p.order_position("ds", "j") == 10
+
+
 # Timing: a bound on the planner's CPU cost, which no fake clock can stand in for. CPU time
 # (process_time), not wall time: other processes on a loaded machine do not count.
 @pytest.mark.timing

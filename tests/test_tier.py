@@ -578,7 +578,8 @@ def test_a_members_batch_read_is_the_primary_workers_to_answer(tmp_path: Path) -
             try:
                 await client.read_blocks("/v1/datasets/ds/blocks",
                                          json.dumps({"blocks": [list(key)]}).encode(),
-                                         lambda hd: None, lambda hd, p: got.append(hd.status),
+                                         lambda hd: memoryview(bytearray(hd.length)),
+                                         lambda hd, p: got.append(hd.status),
                                          headers={"X-Spokefs-Peer": kind,
                                                   "X-Spokefs-Member": a})
             finally:

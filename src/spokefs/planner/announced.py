@@ -57,8 +57,9 @@ class OrderPlanner:
     # -- events -----------------------------------------------------------------------------
     def announce(self, ev: OrderAnnounced, m: Manifest | None, out: list[Action]
                  ) -> OrderCursor:
-        """Take the order (a later epoch extends the job's order, another replaces it); the
-        caller releases what learning held for the job, then ``fill``s the cursor."""
+        """Take the order (a later epoch extends the job's order, dropping any epoch before
+        the one it follows; another replaces it); the caller releases what learning held for
+        the job, then ``fill``s the cursor."""
         if m is None:
             raise ConfigError(f"no manifest for dataset {ev.dataset!r}; add it first "
                               "(ManifestAdded)")
@@ -87,11 +88,20 @@ class OrderPlanner:
         if cur is None or not append:
             cur = OrderCursor(m, self.settings.disorder_window)
             self.cursors[jk] = cur
+        stream = f"{ev.dataset}/{ev.job}"
+        if append and cur.latest > 0:
+            # Two epochs held already: the older goes, read or not, so a job announcing epoch
+            # after epoch holds two epochs' positions, not every one it ever announced.
+            for key in cur.drop_older_epochs():
+                self.pins.unpin(key, out)
+            out.append(SetFuture(cur.keys(range(cur.pos, len(cur))), append=False,
+                                 stream=stream))
         cur.compact()
         new = cur.extend(files, ev.ranges)  # type: ignore[arg-type]
+        cur.latest = new.start
         cur.epoch = ev.epoch
         self.stats["orders"] += 1
-        out.append(SetFuture(cur.keys(new), append=append, stream=f"{ev.dataset}/{ev.job}"))
+        out.append(SetFuture(cur.keys(new), append=append, stream=stream))
         return cur
 
     def on_read(self, ev: Read, fi: int, fresh: list[int], out: list[Action]) -> bool:

@@ -137,6 +137,7 @@ class OrderCursor:
         self.frontier = -1  # farthest position read
         self.issued = 0  # positions below this were pinned (and queued when not resident)
         self.dropped = 0  # positions compacted away: absolute position = dropped + index
+        self.latest = 0  # index of the latest epoch's first position (earlier: the one before)
         self.alive = True
 
     def __len__(self) -> int:
@@ -249,6 +250,21 @@ class OrderCursor:
         drop = self.pos
         if drop < 65536 or drop * 2 < len(self.files):
             return 0
+        return self._drop(drop)
+
+    def drop_older_epochs(self) -> list[BlockKey]:
+        """Forget the positions before the latest epoch, read or not (a new epoch replaces
+        the one before the latest, so an order holds two epochs at most); returns the keys
+        of those that were pinned and are not read, for the caller to unpin."""
+        n = self.latest
+        c = self.consumed
+        unpin = [self.key(p) for p in range(self.pos, min(n, self.issued)) if not c[p]]
+        self.pos = max(self.pos, n)
+        self.frontier = max(self.frontier, n - 1)
+        self._drop(n)
+        return unpin
+
+    def _drop(self, drop: int) -> int:
         del self.files[:drop]
         del self.blocks[:drop]
         del self.consumed[:drop]
@@ -257,5 +273,6 @@ class OrderCursor:
         self.pos -= drop
         self.frontier -= drop
         self.issued = max(0, self.issued - drop)
+        self.latest = max(0, self.latest - drop)
         self.dropped += drop
         return drop

@@ -50,6 +50,7 @@ from spokefs.errors import (
     from_status,
 )
 from spokefs.linkmodel import LinkModel
+from spokefs.manifest import MAX_BLOCK_SIZE
 from spokefs.policy import BlockKey
 from spokefs.retry import backoff_delays
 from spokefs.spoke.commitments import Commitments
@@ -57,7 +58,7 @@ from spokefs.spoke.fetchqueue import QUEUED, Batch, Entry, FetchQueue
 from spokefs.spoke.metrics import SpokeMetrics
 from spokefs.spoke.tier import Route, Tier
 from spokefs.tier.membership import State
-from spokefs.wire.frames import FrameHeader
+from spokefs.wire.frames import FrameError, FrameHeader
 from spokefs.wire.headers import H_MEMBER, H_PEER
 from spokefs.wire.http1 import DataClient
 
@@ -180,7 +181,7 @@ class FetchCancelled(Exception):
 
 class Fetch:
     __slots__ = ("bad", "dataset", "delays", "direct", "entry", "future", "keep", "key",
-                 "prefetch", "started", "tried")
+                 "limit", "prefetch", "started", "tried")
 
     def __init__(self, key: BlockKey, dataset: str, future: asyncio.Future[Block],
                  entry: Entry, direct: bool = False) -> None:
@@ -195,6 +196,13 @@ class Fetch:
         self.direct = direct  # a tier member asked: the cache or the upstream only
         self.keep = True  # kept in the store once fetched (tier: owned, or asked as owner)
         self.tried: set[str] = set()  # tier members that failed this block
+        self.limit = MAX_BLOCK_SIZE  # the most bytes a frame of this block may claim
+
+
+def _check_length(h: FrameHeader, f: Fetch) -> None:
+    if h.length > f.limit:  # before a buffer of that size is made (the sender names it)
+        raise FrameError(f"a frame of {h.length} bytes for block {f.key[1]} of {f.key[0]}, "
+                         f"which holds at most {f.limit}")
 
 
 Spawn = Callable[[Coroutine[Any, Any, Any]], asyncio.Task[Any]]
@@ -238,6 +246,9 @@ class Fetcher:
         self.arenas = Arenas()
         self._hasher: ThreadPoolExecutor | None = None
         self.expected_size: Callable[[str, BlockKey], int] = lambda ds, key: 4 << 20
+        # The most bytes a frame of the block may hold (its size from the manifest, else the
+        # block size): checked before a buffer is made for it at the length the sender names.
+        self.frame_limit: Callable[[str, BlockKey], int] = lambda ds, key: MAX_BLOCK_SIZE
         # What each version commits to (spoke.commitments); None: frames' digests only.
         self.commitments: Commitments | None = None
 
@@ -291,6 +302,7 @@ class Fetcher:
         entry = self.queue.add(f.key, f.dataset, priority,
                                self.expected_size(f.dataset, f.key))
         entry.data = f
+        f.limit = self.frame_limit(f.dataset, f.key)
         self._assign(f, entry)
         return entry
 
@@ -395,6 +407,7 @@ class Fetcher:
             nonlocal used
             if h.status != 200 or h.seq >= len(fetches) or h.seq in done:
                 return None
+            _check_length(h, fetches[h.seq])
             if not first_byte:
                 first_byte.append(time.monotonic())
             room = aligned(h.length)
@@ -476,6 +489,7 @@ class Fetcher:
         def begin(h: FrameHeader) -> memoryview | None:
             if h.status != 200 or h.seq >= len(fetches) or h.seq in done:
                 return None
+            _check_length(h, fetches[h.seq])
             # A buffer of its own: a block got from a member may be held a while (borrowed).
             bufs[h.seq] = memoryview(bytearray(h.length))
             return bufs[h.seq]

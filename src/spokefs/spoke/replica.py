@@ -56,12 +56,14 @@ from spokefs.wire.bodies import read_body
 from spokefs.wire.client import UpstreamClient
 from spokefs.wire.headers import H_FORWARDED, H_INTERNAL, H_JOB, H_MEMBER, H_PEER, H_READER
 from spokefs.wire.routetable import Owner
-from spokefs.wire.server import build_app
+from spokefs.wire.server import BATCH_MEMORY, build_app
 
 log = logging.getLogger(__name__)
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
+_ANSWER_HEADERS = ("content-type", "content-encoding", "etag", "cache-control", "content-range")
+_FORWARD_PIECE = 1 << 20  # bytes of a forwarded answer held at a time
 CHECK_IN_THREAD = 1 << 20
 REPORT_EVERY = 0.05      # seconds between reports of reads and counts to the primary
 # Not Content-Encoding: the body goes as it came, and the primary knows a compressed one by
@@ -151,18 +153,28 @@ class ReplicaBackend:
                 f"the spoke's primary worker did not answer for {self.deadline:g}s ({what}): "
                 f"{cause}", "primary worker", cause))
 
-    async def forward(self, request: web.Request) -> web.Response:
-        """Pass a request to the primary and its answer back."""
+    async def forward(self, request: web.Request) -> web.StreamResponse:
+        """Pass a request to the primary and its answer back, a piece at a time as it
+        comes (a batch read's frames, a manifest): nothing is held whole here."""
         headers = {h: request.headers[h] for h in _FORWARDED_HEADERS if h in request.headers}
         headers[H_FORWARDED] = "1"  # not the replica's own request: the token decides
         body = bytes(await read_body(request))  # bounded, like the primary's own
-        status, rh, data = await self._call(
-            f"{request.method} {request.path}", self.primary.forward, request.method,
-            request.raw_path, headers, body)
-        out = {k: v for k, v in rh.items() if k.lower() in (
-            "content-type", "content-encoding", "etag", "cache-control", "content-range")
-            or k.lower().startswith("x-spokefs-")}
-        return web.Response(status=status, body=data, headers=out)
+        # Retried until the primary answers; once its answer has begun, it goes on as is.
+        resp = await self._call(f"{request.method} {request.path}", self.primary.open,
+                                request.method, request.raw_path, headers, body)
+        try:
+            out = web.StreamResponse(status=resp.status, headers={
+                k: v for k, v in resp.headers.items() if k.lower() in _ANSWER_HEADERS
+                or k.lower().startswith("x-spokefs-")})
+            if resp.content_length is not None:
+                out.content_length = resp.content_length
+            await out.prepare(request)
+            async for piece in resp.content.iter_chunked(_FORWARD_PIECE):
+                await out.write(piece)
+            await out.write_eof()
+            return out
+        finally:
+            resp.release()
 
     async def _locate(self, name: str, keys: list[BlockKey], fetch: bool,
                       read: dict[str, Any] | None = None) -> list[SharedLoc | None]:
@@ -324,7 +336,7 @@ class ReplicaBackend:
                             ) -> AsyncIterator[bytes]:
         status, _, data = await self._call(
             "a read", self.primary.forward, "GET", f"/v1/datasets/{name}/objects/{version}",
-            {"Range": f"bytes={start}-{end - 1}"}, b"")
+            {"Range": f"bytes={start}-{end - 1}"}, b"", max(end - start, 1 << 20))
         if status >= 300:
             try:
                 doc = json.loads(data)
@@ -340,6 +352,11 @@ class ReplicaBackend:
         if status >= 300:
             raise from_status(status, None, f"the primary answered {status}")
         return int(headers.get("Content-Length", "0"))
+
+    async def batch_bytes(self, name: str, blocks: list[tuple[str, int]]) -> int:
+        """The bytes a batch read of ``blocks`` holds at most (``wire.server.ByteRoom``)."""
+        return await self.versions.batch_bytes(name, blocks,
+                                               (await self.dataset(name)).block_size)
 
     async def read_blocks(self, name: str, blocks: list[tuple[str, int]]) -> list[BlockPart]:
         blocks, refused = await bound_blocks(self.versions, name, blocks)
@@ -395,7 +412,7 @@ def build_replica_app(backend: ReplicaBackend, auth: Path | None = None,
                     forward=backend.forward, auth=auth,
                     jobs=None,  # the primary keeps who owns a job
                     audit=audit,  # this worker's own file (spokefs.audit.worker_file)
-                    internal_key=internal_key)
+                    internal_key=internal_key, batch_memory=BATCH_MEMORY)
     app.middlewares.append(peers_to_primary)  # innermost: after the token was checked
 
     async def lifecycle(app: web.Application) -> AsyncIterator[None]:

@@ -48,7 +48,7 @@ from spokefs.errors import (
 )
 from spokefs.integrity import DEFAULT_BLOCK_SIZE, block_count, blocks_in_range
 from spokefs.linkmodel import LinkModel
-from spokefs.manifest import Manifest, is_snapshot_id
+from spokefs.manifest import MAX_BLOCK_SIZE, Manifest, is_snapshot_id
 from spokefs.planner import Planner
 from spokefs.policy import POLICIES, BlockKey, CopiesFirst, EvictionPolicy, make_policy
 from spokefs.retry import retrying
@@ -195,6 +195,7 @@ class SpokeBackend:
         # What this spoke (and, in a tier, its members) holds: residency and the planner.
         self.held = _Held(self.store, self.fetcher)
         self.fetcher.expected_size = self._expected_size
+        self.fetcher.frame_limit = self._frame_limit
         self.commitments = Commitments(self._known_dataset, self.dataset, self._upstream_digests)
         self.fetcher.commitments = self.commitments
         # Checks of large reads run here, off the event loop (xxhash and pread release the GIL)
@@ -615,6 +616,11 @@ class SpokeBackend:
         the copy the store writes goes to disk with direct I/O, not to the page cache)."""
         return block.view[lo:hi]
 
+    async def batch_bytes(self, name: str, blocks: list[tuple[str, int]]) -> int:
+        """The bytes a batch read of ``blocks`` holds at most (``wire.server.ByteRoom``)."""
+        return await self.versions.batch_bytes(name, blocks,
+                                               (await self.dataset(name)).block_size)
+
     async def read_blocks(self, name: str, blocks: list[tuple[str, int]]) -> list[BlockPart]:
         """Whole blocks for a downstream spoke (a batch read): fetched first where missing.
         From another tier member (``X-Spokefs-Peer``): from the cache or the upstream only,
@@ -723,6 +729,13 @@ class SpokeBackend:
             known = self.prefetch.path_of(name, version)
             size = known[1] if known is not None else None
         return bs if size is None else max(0, min(bs, size - index * bs))
+
+    def _frame_limit(self, name: str, key: BlockKey) -> int:
+        """The most bytes a received frame of this block may hold: what the manifest says it
+        holds once the dataset is known (its block size bounds it), else the largest block."""
+        if name not in self._datasets:
+            return MAX_BLOCK_SIZE
+        return self._expected_size(name, key)
 
     # -- other processes reading the cache (replica workers, same-host mounts) --------------
     def cache_info(self) -> dict[str, object]:

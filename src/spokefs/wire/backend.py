@@ -190,32 +190,47 @@ class DatasetVersions:
         self._dataset = dataset
         self._manifest = manifest
         self._in_use = in_use
-        self._known: OrderedDict[tuple[str, str], None] = OrderedDict()
-        self._sets: OrderedDict[tuple[str, str], frozenset[str]] = OrderedDict()
+        self._known: OrderedDict[tuple[str, str], int] = OrderedDict()  # -> the file's size
+        self._sets: OrderedDict[tuple[str, str], dict[str, int]] = OrderedDict()
 
-    async def check(self, name: str, version: str) -> None:
-        """NotFound unless ``version`` is a file of dataset ``name``."""
+    async def check(self, name: str, version: str) -> int:
+        """The version's size; NotFound unless ``version`` is a file of dataset ``name``."""
         key = (name, version)
-        if key in self._known:
-            return
+        size = self._known.get(key)
+        if size is not None:
+            return size
         info = await self._dataset(name)
         snaps = [info.latest] if info.latest else []
         snaps += list(self._in_use(name))
         snaps += [str(s.get("id")) for s in reversed(info.snapshots[-self.RECENT:])]
         for snap in dict.fromkeys(snaps):  # once each, in that order
-            if version in await self._versions(name, snap):
-                self._known[key] = None
+            size = (await self._versions(name, snap)).get(version)
+            if size is not None:
+                self._known[key] = size
                 if len(self._known) > self.KEEP:
                     self._known.popitem(last=False)
-                return
+                return size
         raise NotFound(f"{version} is not a file of dataset {name!r} (in its latest or recent "
                        "snapshots)")
 
-    async def _versions(self, name: str, snap: str) -> frozenset[str]:
+    async def batch_bytes(self, name: str, blocks: list[tuple[str, int]], block_size: int
+                          ) -> int:
+        """The bytes a batch read of ``blocks`` holds at most (another dataset's: none)."""
+        total = 0
+        for version, index in blocks:
+            try:
+                size = await self.check(name, version)
+            except NotFound:
+                continue
+            total += max(0, min(block_size, size - index * block_size))
+        return total
+
+    async def _versions(self, name: str, snap: str) -> dict[str, int]:
         key = (name, snap)
         got = self._sets.get(key)
         if got is None:
-            got = self._sets[key] = frozenset((await self._manifest(name, snap)).versions)
+            m = await self._manifest(name, snap)
+            got = self._sets[key] = dict(zip(m.versions, m.sizes, strict=True))
             while len(self._sets) > 4:
                 self._sets.popitem(last=False)
         return got

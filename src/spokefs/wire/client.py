@@ -11,8 +11,8 @@ arrive, so an upstream (or anything posing as one) cannot grow this process's me
 end: JSON answers ``max_json_bytes`` (16 MiB; a locate answer for the largest batch is ~2 MB),
 manifests ``MAX_MANIFEST_BLOB`` (1 GiB as sent; ``Manifest.decode`` bounds the decompressed
 JSON too), a range read what it asked for. Past the bound: ``BadUpstream``, final (asking
-again gets the same answer). ``forward`` is the exception: a replica passes its clients'
-requests to its own primary through it, answers of any size included.
+again gets the same answer). ``open`` is the exception: a replica passes its clients'
+requests to its own primary through it and streams the answer on, of any size.
 """
 
 from __future__ import annotations
@@ -154,20 +154,35 @@ class UpstreamClient:
                 raise from_status(status, doc, f"upstream answered {status} for {what}")
             raise_for_status(status, body, what)
 
-    async def forward(self, method: str, path: str, headers: dict[str, str], body: bytes
-                      ) -> tuple[int, dict[str, str], bytes]:
-        """Any request, answered as is (status, headers, body): for a proxy."""
+    async def forward(self, method: str, path: str, headers: dict[str, str], body: bytes,
+                      limit: int | None = None) -> tuple[int, dict[str, str], bytes]:
+        """Any request, answered as is (status, headers, body): for a proxy. A body past
+        ``limit`` bytes (``max_json_bytes`` if None) raises BadUpstream."""
+        resp = await self.open(method, path, headers, body)
         try:
-            async with self.session.request(method, f"{self.base_url}{path}", headers=headers,
-                                            data=body or None) as resp:
-                data = await resp.read()
-                self.last_received = time.monotonic()
-                return resp.status, dict(resp.headers), data
+            data = await self._body(resp, self.max_json_bytes if limit is None else limit,
+                                    f"{method} {path}")
+        except (TimeoutError, aiohttp.ClientError, OSError) as exc:
+            raise Transient(f"{type(exc).__name__}: {exc}" if str(exc) else
+                            type(exc).__name__) from exc
+        finally:
+            resp.release()
+        return resp.status, dict(resp.headers), data
+
+    async def open(self, method: str, path: str, headers: dict[str, str], body: bytes
+                   ) -> aiohttp.ClientResponse:
+        """Any request, up to its answer's head: the caller reads the body as it comes
+        (``resp.content``), of any size, and releases the response."""
+        try:
+            resp = await self.session.request(method, f"{self.base_url}{path}",
+                                              headers=headers, data=body or None)
         except aiohttp.ClientConnectorCertificateError as exc:
             raise untrusted(self.base_url, exc.certificate_error) from exc
         except (TimeoutError, aiohttp.ClientError, OSError) as exc:
             raise Transient(f"{type(exc).__name__}: {exc}" if str(exc) else
                             type(exc).__name__) from exc
+        self.last_received = time.monotonic()
+        return resp
 
     async def get_json(self, path: str) -> dict:
         status, _, body = await self._get(path)

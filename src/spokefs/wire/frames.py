@@ -28,6 +28,9 @@ MAGIC = b"SPKB"
 HEADER = struct.Struct("!4sIHHIQ16s")
 HEADER_SIZE = HEADER.size  # 40
 NO_DIGEST = bytes(16)
+# Bytes of a payload the reader keeps in a buffer of its own (an error body, a block nobody
+# asked for): the length comes from the sender, so it is bounded before anything is made.
+MAX_UNWANTED = 64 << 10
 
 
 class FrameError(ValueError):
@@ -60,8 +63,9 @@ class FrameReader:
 
     ``begin(header) -> memoryview | None`` is called when a header is complete and returns
     where the payload goes (exactly ``header.length`` bytes; None: into a buffer the reader
-    makes, for error bodies and blocks nobody wants). ``end(header, payload)`` is called when
-    the payload is complete. Bytes reach the reader either way:
+    makes, for error bodies and blocks nobody wants, at most ``MAX_UNWANTED`` bytes, else
+    FrameError). ``end(header, payload)`` is called when the payload is complete. Bytes
+    reach the reader either way:
 
     - ``feed(data)`` copies from a chunk the caller received elsewhere (small frames);
     - ``buffer()`` is the rest of the current payload's destination, for the caller to receive
@@ -123,6 +127,9 @@ class FrameReader:
         self._got = 0
         dest = self._begin(h)
         if dest is None:
+            if h.length > MAX_UNWANTED:
+                raise FrameError(f"a {h.length}-byte frame (status {h.status}) where at most "
+                                 f"{MAX_UNWANTED} were expected")
             dest = memoryview(bytearray(h.length))
         elif len(dest) != h.length:
             raise FrameError(f"destination of {len(dest)} bytes for a {h.length}-byte frame")

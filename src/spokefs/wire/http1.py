@@ -38,6 +38,7 @@ from spokefs.wire.tls import client_context, untrusted
 _SCRATCH = 256 * 1024     # one recv of small pieces
 _DIRECT_MIN = 64 * 1024   # a payload piece at least this large is received in place
 _HEAD_MAX = 64 * 1024
+MAX_ERROR_BODY = 1 << 20  # bytes of a non-2xx answer's body (JSON errors are a few hundred)
 
 
 def raise_for_status(status: int, body: bytes, what: str) -> None:
@@ -246,6 +247,10 @@ class _Connection(asyncio.BufferedProtocol):
         head = Head(int(parts[1]), headers, int(length))
         assert self._sink_for is not None
         self._head = head
+        if not 200 <= head.status < 300 and head.length > MAX_ERROR_BODY:
+            # The sender names the length: an error answer is never buffered at any size.
+            raise Transient(f"upstream answered {head.status} with a body of {head.length} "
+                            f"bytes, more than the {MAX_ERROR_BODY} an error answer may hold")
         self._sink = (self._sink_for(head) if 200 <= head.status < 300
                       else _Collect(head.length))
         self._left = head.length

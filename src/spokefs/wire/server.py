@@ -11,6 +11,8 @@ Errors are JSON bodies ``{"error": {"code", "message", ...}}`` with the matching
 from __future__ import annotations
 
 import asyncio
+import collections
+import contextlib
 import errno
 import functools
 import html
@@ -28,7 +30,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, Counter, generate_latest
 
 from spokefs import ui
 from spokefs.audit import Audit
-from spokefs.errors import BadRequest, NotFound, RangeNotSatisfiable, SpokeError
+from spokefs.errors import BadRequest, NotFound, RangeNotSatisfiable, SpokeError, TooLarge
 from spokefs.manifest import FileEntry, is_snapshot_id
 from spokefs.wire.auth import TokenFile
 from spokefs.wire.authz import (
@@ -60,6 +62,12 @@ MANIFEST_TYPE = "application/vnd.spokefs.manifest+json"
 BLOCKS_TYPE = "application/vnd.spokefs.blocks"
 MAX_BATCH = 4096             # blocks in one batch read
 MAX_BATCH_BODY = 1 << 20     # bytes of a batch read's body (MAX_BATCH blocks is ~200 KiB)
+# Bytes one batch read may ask for (its blocks times the block size; one block always fits):
+# the answer is sized before its first byte goes out, so this is what a request can hold.
+MAX_BATCH_BYTES = 64 << 20
+# Bytes of batch reads a spoke holds at once, every request together (a spoke's blocks may
+# be in memory, fetched or copied; a hub's are open files and are not counted).
+BATCH_MEMORY = 256 << 20
 MAX_DIGESTS = 1024           # versions in one digests request
 _COALESCE = 1 << 20          # small frames are gathered into writes of about this size
 _SMALL_PAYLOAD = 256 * 1024  # a file payload up to this is read and gathered, not sendfile'd
@@ -254,6 +262,57 @@ def parse_block_list(doc: object) -> list[tuple[str, int]]:
     return out
 
 
+class ByteRoom:
+    """Room for ``capacity`` bytes, taken and given back by requests; a request waits for
+    its room in turn (first come, first served), so a crowd of large batch reads waits
+    instead of growing the process. One request never needs more than the capacity."""
+
+    def __init__(self, capacity: int) -> None:
+        self.capacity = capacity
+        self.free = capacity
+        self._waiting: collections.deque[tuple[int, asyncio.Future[None]]] = (
+            collections.deque())
+
+    @contextlib.asynccontextmanager
+    async def take(self, n: int) -> AsyncIterator[None]:
+        n = min(n, self.capacity)
+        if self._waiting or self.free < n:
+            fut = asyncio.get_running_loop().create_future()
+            self._waiting.append((n, fut))
+            try:
+                await fut
+            except BaseException:
+                if fut.done() and not fut.cancelled():
+                    self._give(n)  # granted as it was cancelled: pass it on
+                else:
+                    with contextlib.suppress(ValueError):  # _wake may have dropped it
+                        self._waiting.remove((n, fut))
+                    self._wake()
+                raise
+        else:
+            self.free -= n
+        try:
+            yield
+        finally:
+            self._give(n)
+
+    def _give(self, n: int) -> None:
+        self.free += n
+        self._wake()
+
+    def _wake(self) -> None:
+        while self._waiting:
+            n, fut = self._waiting[0]
+            if fut.done():  # cancelled while it waited
+                self._waiting.popleft()
+                continue
+            if n > self.free:
+                break
+            self._waiting.popleft()
+            self.free -= n
+            fut.set_result(None)
+
+
 def check_version(version: str) -> bool:
     return 0 < len(version) <= 64 and version.isascii() and version.isalnum()
 
@@ -261,8 +320,12 @@ def check_version(version: str) -> bool:
 class Api:
     """Route handlers. ``extra`` lets a role add its own routes (the spoke's hints, warm...)."""
 
-    def __init__(self, backend: Backend, audit: Audit | None = None) -> None:
+    def __init__(self, backend: Backend, audit: Audit | None = None,
+                 batch_memory: int | None = None) -> None:
         self.backend = backend
+        # Batch reads' bytes held at once (None: not counted, for a hub's file segments);
+        # with it, the backend tells a batch's bytes (``batch_bytes``).
+        self.batch_room = ByteRoom(batch_memory) if batch_memory else None
         self.audit = audit or Audit()  # a no-op without --audit-log
         self.requests = Counter("spokefs_requests", "HTTP requests by route and status",
                                 ["route", "status"], registry=backend.registry)
@@ -373,6 +436,20 @@ class Api:
         "Batch reads"); a block that cannot be read is an error frame, not a failed batch."""
         ds = check_dataset_name(request.match_info["ds"])
         blocks = parse_block_list(await json_body(request, MAX_BATCH_BODY))
+        if self.batch_room is None:  # a hub's blocks are open files, sent with sendfile
+            return await self._send_blocks(request, ds, blocks)
+        # A spoke's may be in memory (fetched now, or copied by a replica): sized from the
+        # manifest first, then held only with room for them.
+        bs = (await self.backend.dataset(ds)).block_size
+        need = await self.backend.batch_bytes(ds, blocks)  # type: ignore[attr-defined]
+        if need > max(MAX_BATCH_BYTES, bs):
+            raise TooLarge(f"a batch read holds at most {MAX_BATCH_BYTES >> 20} MiB (or one "
+                           f"block); these {len(blocks)} blocks hold {need:,} bytes")
+        async with self.batch_room.take(need):
+            return await self._send_blocks(request, ds, blocks)
+
+    async def _send_blocks(self, request: web.Request, ds: str, blocks: list[tuple[str, int]]
+                           ) -> web.StreamResponse:
         parts = await self.backend.read_blocks(ds, blocks)
         resp = web.StreamResponse(status=200, headers={"Content-Type": BLOCKS_TYPE})
         resp.content_length = sum(HEADER_SIZE + p.length for p in parts)
@@ -524,13 +601,15 @@ RELOAD_KEY = web.AppKey("reload", list)
 def build_app(backend: Backend, handlers: dict[Owner, Any] | None = None,
               forward: Callable | None = None, auth: Path | None = None,
               jobs: JobOwners | None = None, audit: Audit | None = None,
-              internal_key: Callable[[], bytes | None] | None = None) -> web.Application:
+              internal_key: Callable[[], bytes | None] | None = None,
+              batch_memory: int | None = None) -> web.Application:
     """The API over ``backend``, with the table's routes of ``handlers``' owners besides
     (``wire.routetable``: its routes and nothing else; ``forward``: a replica worker's, for
     the routes the primary answers). With ``auth`` (a token file), every request is checked
     against its route's scope (``wire.authz``). ``jobs``: where job owners are kept (the
     process that keeps jobs). ``internal_key``: the cache folder's key, for same-host readers
-    of a spoke's cache. ``audit``: the audit log (closed with the app)."""
+    of a spoke's cache. ``audit``: the audit log (closed with the app). ``batch_memory``:
+    bytes of batch reads held at once, all requests together (``ByteRoom``)."""
     middlewares: list[Callable] = [errors_middleware, well_formed]
     tokens = TokenFile(auth) if auth is not None else None
     if tokens is not None:
@@ -541,7 +620,8 @@ def build_app(backend: Backend, handlers: dict[Owner, Any] | None = None,
     if tokens is not None:
         app[AUTH_KEY] = tokens
     app[BACKEND_KEY] = backend
-    app.add_routes(bind({Owner.API: Api(backend, audit), Owner.UI: ui, **(handlers or {})},
+    api = Api(backend, audit, batch_memory)
+    app.add_routes(bind({Owner.API: api, Owner.UI: ui, **(handlers or {})},
                         forward))
     if audit is not None:
         async def close_audit(app: web.Application) -> None:  # after the backend's cleanup
