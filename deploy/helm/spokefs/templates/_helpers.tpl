@@ -171,3 +171,84 @@ failureThreshold: 3
 - {name: ca, mountPath: /etc/spokefs/ca, readOnly: true}
 {{- end }}
 {{- end -}}
+
+{{/*
+Where the servers' certificate comes from: off, own (tls.secretName, made by the user),
+certManager (cert-manager Certificates) or generate (genCA and genSignedCert, tls.yaml).
+*/}}
+{{- define "spokefs.tlsMode" -}}
+{{- if not .Values.tls.enabled -}}off
+{{- else if .Values.tls.certManager.enabled -}}certManager
+{{- else if .Values.tls.secretName -}}own
+{{- else -}}generate
+{{- end -}}
+{{- end -}}
+
+{{/* The chart-made CA's Secret (generate), or its Certificate's (certManager, no issuerRef). */}}
+{{- define "spokefs.caName" -}}{{ include "spokefs.fullname" . }}-ca{{- end -}}
+
+{{/*
+The DNS names of the chart's certificate, as a JSON list: every form of the hub and spoke
+Services' names, the members' (*.HEADLESS...), localhost (the probes), tls.extraDnsNames.
+*/}}
+{{- define "spokefs.tlsDnsNames" -}}
+{{- $ns := .Release.Namespace -}}
+{{- $services := list -}}
+{{- if .Values.hub.enabled }}{{ $services = append $services (include "spokefs.hubName" .) }}{{ end -}}
+{{- if .Values.spoke.enabled }}{{ $services = concat $services (list (include "spokefs.spokeName" .) (include "spokefs.headlessName" .)) }}{{ end -}}
+{{- $names := list -}}
+{{- range $services -}}
+{{- $names = concat $names (list . (printf "%s.%s" . $ns) (printf "%s.%s.svc" . $ns) (printf "%s.%s.svc.%s" . $ns $.Values.clusterDomain)) -}}
+{{- end -}}
+{{- if .Values.spoke.enabled -}}
+{{- $names = append $names (printf "*.%s.%s.svc.%s" (include "spokefs.headlessName" .) $ns .Values.clusterDomain) -}}
+{{- end -}}
+{{- $names = concat $names (list "localhost") .Values.tls.extraDnsNames | uniq -}}
+{{- toJson $names -}}
+{{- end -}}
+
+{{/* The addresses of the chart's certificate: loopback, for probes on an address */}}
+{{- define "spokefs.tlsIPs" -}}["127.0.0.1", "::1"]{{- end -}}
+
+{{/* A short digest of the certificate's names: the servers' pods restart when they change */}}
+{{- define "spokefs.tlsNamesDigest" -}}
+{{- printf "%s %s" (include "spokefs.tlsDnsNames" .) (include "spokefs.tlsIPs" .) | sha256sum | trunc 16 -}}
+{{- end -}}
+
+{{/* Pod annotations of the servers: (dict "root" .) */}}
+{{- define "spokefs.serverPodAnnotations" -}}
+{{- if has (include "spokefs.tlsMode" .root) (list "generate" "certManager") }}
+spokefs.io/tls-names: {{ include "spokefs.tlsNamesDigest" .root | quote }}
+{{- end }}
+{{- end -}}
+
+{{/*
+The ingress peers of a server's NetworkPolicy, as a JSON list: (dict "root" . "component" "spoke")
+*/}}
+{{- define "spokefs.ingressPeers" -}}
+{{- $root := .root -}}
+{{- $v := $root.Values -}}
+{{- $np := $v.networkPolicy -}}
+{{- $peers := list -}}
+{{- if eq .component "spoke" -}}
+{{- if $v.tier.enabled -}}
+{{- $peers = append $peers (dict "podSelector" (dict "matchLabels" (include "spokefs.selector" (dict "root" $root "component" "spoke") | fromYaml))) -}}
+{{- end -}}
+{{- if $v.mount.enabled -}}
+{{- $peers = append $peers (dict "podSelector" (dict "matchLabels" (include "spokefs.selector" (dict "root" $root "component" "mount") | fromYaml))) -}}
+{{- end -}}
+{{- else if $v.spoke.enabled -}}
+{{- $peers = append $peers (dict "podSelector" (dict "matchLabels" (include "spokefs.selector" (dict "root" $root "component" "spoke") | fromYaml))) -}}
+{{- end -}}
+{{- if $np.prometheus.enabled -}}
+{{- $prom := dict -}}
+{{- if not (kindIs "invalid" $np.prometheus.namespaceSelector) }}{{ $_ := set $prom "namespaceSelector" $np.prometheus.namespaceSelector }}{{ end -}}
+{{- if not (kindIs "invalid" $np.prometheus.podSelector) }}{{ $_ := set $prom "podSelector" $np.prometheus.podSelector }}{{ end -}}
+{{- if not $prom -}}
+{{- fail "networkPolicy.prometheus: give a namespaceSelector or a podSelector (or enabled: false)" -}}
+{{- end -}}
+{{- $peers = append $peers $prom -}}
+{{- end -}}
+{{- $peers = concat $peers (index $np .component).extraFrom -}}
+{{- toJson $peers -}}
+{{- end -}}
