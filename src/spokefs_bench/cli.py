@@ -21,6 +21,7 @@ BENCH_MODULES = [
     "spokefs_bench.abuse",
     "spokefs_bench.s3client",
     "spokefs_bench.tier",
+    "spokefs_bench.native",
 ]
 
 

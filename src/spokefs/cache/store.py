@@ -54,8 +54,6 @@ from collections.abc import Callable, Container, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-import xxhash
-
 from spokefs.cache.durable import manifest_file
 from spokefs.cache.segments import Segment, SegmentFiles, aligned, check_hole_punching
 from spokefs.cache.storm import StormWatch
@@ -71,6 +69,12 @@ from spokefs.cache.worker import (
 )
 from spokefs.errors import CacheLocked, ConfigError
 from spokefs.policy import BlockKey, CopiesFirst, EvictionPolicy
+
+try:  # the native core: required (docs/architecture.md, "The native core")
+    from spokefs import _native
+except ImportError as exc:
+    raise ImportError("spokefs's native core (spokefs._native) is not built: run `make setup` "
+                      "or `pip install -e .` (needs cargo, from https://rustup.rs)") from exc
 
 log = logging.getLogger(__name__)
 
@@ -188,9 +192,10 @@ def _make_private(root: Path) -> None:
 
 
 def chunk_digests(data: memoryview | bytes, chunk: int = CHUNK) -> bytes:
-    """xxh3-64 of each ``chunk``-byte piece, concatenated (8 bytes a piece)."""
-    d = xxhash.xxh3_64_digest
-    return b"".join(d(data[i:i + chunk]) for i in range(0, len(data), chunk)) if data else b""
+    """xxh3-64 of each ``chunk``-byte piece, concatenated (8 bytes a piece, big-endian as
+    ``xxhash.xxh3_64_digest``); b"" for no data. Any buffer (bytes, bytearray, memoryview);
+    native, without the GIL for 64 KiB or more."""
+    return _native.chunk_digests(data, chunk)
 
 
 @dataclass(slots=True, eq=False)
@@ -210,7 +215,10 @@ def read_loc(loc: Loc, lo: int, hi: int, chunk: int = CHUNK,
              scratch: bytearray | None = None) -> memoryview | None:
     """Bytes [lo, hi) of a block, read into a buffer (``scratch`` if given and large enough,
     else a new one) and checked there against the digests of the chunks they touch; None if
-    they do not match (or cannot be read). Safe in any thread."""
+    they do not match (or cannot be read). The whole chunks around [lo, hi) are read, so a
+    scratch of ``hi - lo + 2 * chunk`` bytes is always large enough; the view returned is
+    of ``scratch`` when used (valid until it is reused). Safe in any thread: one native call
+    (pread and checks) without the GIL."""
     if hi <= lo:
         return memoryview(b"")
     a = lo - lo % chunk
@@ -219,16 +227,8 @@ def read_loc(loc: Loc, lo: int, hi: int, chunk: int = CHUNK,
         buf = memoryview(scratch)[:b - a]
     else:
         buf = memoryview(bytearray(b - a))
-    try:
-        if loc.seg.read(loc.offset + a, buf) != b - a:
-            return None
-    except OSError:
+    if not _native.read_checked(loc.seg.fd, loc.offset + a, buf, a, chunk, loc.chunks):
         return None
-    d, want = xxhash.xxh3_64_digest, loc.chunks
-    for c in range(a // chunk, (b - 1) // chunk + 1):
-        at = c * chunk - a
-        if d(buf[at:at + chunk]) != want[8 * c:8 * c + 8]:
-            return None
     return buf[lo - a:hi - a]
 
 
@@ -236,20 +236,11 @@ def read_loc_into(loc: Loc, lo: int, out: memoryview, chunk: int = CHUNK,
                   scratch: bytearray | None = None) -> bool:
     """Fill ``out`` with checked bytes [lo, lo+len(out)) of a block: read in place when the
     range is whole chunks (a streaming read), else through ``scratch``; False if they do
-    not match their digests. Safe in any thread."""
+    not match their digests (or cannot be read). Safe in any thread: one native call
+    (pread and checks) without the GIL."""
     hi = lo + len(out)
     if lo % chunk == 0 and (hi % chunk == 0 or hi == loc.size):
-        try:
-            if loc.seg.read(loc.offset + lo, out) != len(out):
-                return False
-        except OSError:
-            return False
-        d, want = xxhash.xxh3_64_digest, loc.chunks
-        for c in range(lo // chunk, (hi - 1) // chunk + 1):
-            at = c * chunk - lo
-            if d(out[at:at + chunk]) != want[8 * c:8 * c + 8]:
-                return False
-        return True
+        return _native.read_checked(loc.seg.fd, loc.offset + lo, out, lo, chunk, loc.chunks)
     data = read_loc(loc, lo, hi, chunk, scratch)
     if data is None:
         return False

@@ -198,7 +198,7 @@ class SpokeBackend:
         self.fetcher.frame_limit = self._frame_limit
         self.commitments = Commitments(self._known_dataset, self.dataset, self._upstream_digests)
         self.fetcher.commitments = self.commitments
-        # Checks of large reads run here, off the event loop (xxhash and pread release the GIL)
+        # Checks of large reads run here, off the event loop (the native read releases the GIL)
         self._checker = ThreadPoolExecutor(2, thread_name_prefix="spokefs-check")
         self.prefetch: PrefetchDriver | None = None  # set by start() unless disabled
         # Blocks that became resident lately, told to same-host readers (locate, reads).
