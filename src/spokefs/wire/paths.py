@@ -12,7 +12,7 @@ import re
 from spokefs.errors import BadRequest
 
 # fullmatch, not match with "$": "$" also matches before a trailing newline ("ds\n").
-_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
+NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
 
 
 def _show(value: object) -> str:
@@ -22,7 +22,7 @@ def _show(value: object) -> str:
 
 def check_dataset_name(name: object) -> str:
     """``name`` if it is a dataset name (a string from a request body may be anything)."""
-    if not isinstance(name, str) or not _NAME.fullmatch(name):
+    if not isinstance(name, str) or not NAME.fullmatch(name):
         raise BadRequest(f"invalid dataset name {_show(name)}: use letters, digits, '.', '_', "
                          "'-' (at most 128)")
     return name
@@ -31,7 +31,7 @@ def check_dataset_name(name: object) -> str:
 def check_snapshot_id(snap: object) -> str:
     """``snap`` if it is a snapshot id or "latest" (it names a file in a spoke's cache
     folder, so nothing else: no "/" or "..")."""
-    if not isinstance(snap, str) or not _NAME.fullmatch(snap):
+    if not isinstance(snap, str) or not NAME.fullmatch(snap):
         raise BadRequest(f"invalid snapshot id {_show(snap)}")
     return snap
 

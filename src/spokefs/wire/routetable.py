@@ -31,6 +31,9 @@ from typing import Any
 
 from aiohttp import web
 
+from spokefs.wire.headers import H_JOB, H_READER, H_SNAPSHOT
+from spokefs.wire.paths import NAME as DATASET_NAME
+
 
 class Scope(enum.StrEnum):
     PUBLIC = "public"
@@ -60,6 +63,7 @@ class Route:
     primary: bool = False  # on a replica worker: forwarded to the primary, which answers
     job: bool = False      # a job's route: the token that announced the job owns it
     summary: str = ""
+    ok: tuple[int, ...] = (200,)  # the statuses of a success (the OpenAPI document's)
 
 
 _A, _S, _R, _U = Owner.API, Owner.SPOKE, Owner.REPLICA, Owner.UI
@@ -77,7 +81,7 @@ ROUTES: tuple[Route, ...] = (
     Route("DELETE", _JOB, "end_job", Scope.READ, _S, primary=True, job=True,
           summary="a job ended"),
     Route("POST", _DS + "/warm", "warm", Scope.ADMIN, _S, primary=True,
-          summary="fetch (and pin) files ahead"),
+          summary="fetch (and pin) files ahead", ok=(202,)),
     Route("POST", _DS + "/unpin", "unpin", Scope.ADMIN, _S, primary=True,
           summary="release warm-up pins"),
     Route("GET", "/v1/inventory", "inventory", Scope.ADMIN, _S, primary=True,
@@ -106,7 +110,7 @@ ROUTES: tuple[Route, ...] = (
           summary="the datasets the token may read"),
     Route("GET", _DS, "get_dataset", Scope.READ, _A, summary="a dataset and its snapshots"),
     Route("POST", _DS + "/snapshots", "create_snapshot", Scope.ADMIN, _A, primary=True,
-          summary="record a new snapshot (hub)"),
+          summary="record a new snapshot (hub)", ok=(201,)),
     Route("GET", _DS + "/snapshots/{snap}", "get_snapshot", Scope.READ, _A,
           summary="a snapshot"),
     Route("GET", _DS + "/snapshots/{snap}/manifest", "get_manifest", Scope.READ, _A,
@@ -114,20 +118,22 @@ ROUTES: tuple[Route, ...] = (
     Route("GET", _DS + "/snapshots/{snap}/entries/{path:.*}", "get_entry", Scope.READ, _A,
           summary="a file or folder of a snapshot"),
     Route("GET", _DS + "/objects/{version}", "get_object", Scope.READ, _A,
-          summary="bytes of a file version (Range; HEAD too)"),
+          summary="bytes of a file version (Range; HEAD too)", ok=(200, 206)),
     Route("POST", _DS + "/blocks", "read_blocks", Scope.READ, _A,
           summary="a batch read: many whole blocks, framed with their digests"),
     Route("POST", _DS + "/digests", "digests", Scope.READ, _A, primary=True,
           summary="what file versions commit to: size and block digests"),
     # The dashboard: before "/{ref}", which would take "/ui".
-    Route("GET", "/ui", "redirect", Scope.PUBLIC, _U, summary="the dashboard"),
+    Route("GET", "/ui", "redirect", Scope.PUBLIC, _U, summary="the dashboard", ok=(302,)),
     Route("GET", "/ui/", "page", Scope.PUBLIC, _U, summary="the dashboard"),
     Route("GET", "/ui/app.js", "script", Scope.PUBLIC, _U, summary="the dashboard's script"),
     Route("GET", "/ui/style.css", "style", Scope.PUBLIC, _U, summary="the dashboard's style"),
     Route("GET", "/", "root_index", Scope.TOKEN, _A, summary="the readable datasets (HTML)"),
-    Route("GET", "/{ref}", "plain_redirect", Scope.READ, _A, summary="to the dataset's folder"),
+    Route("GET", "/{ref}", "plain_redirect", Scope.READ, _A, summary="to the dataset's folder",
+          ok=(301,)),
     Route("GET", "/{ref}/{path:.*}", "plain_read", Scope.READ, _A,
-          summary="a file by path (Range; HEAD too), or a folder's index (HTML)"),
+          summary="a file by path (Range; HEAD too), or a folder's index (HTML)",
+          ok=(200, 206, 301)),
 )
 
 def canonical(path: str) -> str:
@@ -172,31 +178,151 @@ def bind(handlers: dict[Owner, Any], forward: Any = None) -> list[web.RouteDef]:
     return out
 
 
+# -- the OpenAPI document ------------------------------------------------------------------
+# What each path parameter and request body may hold, as the handlers check it (a value past
+# these is a 4xx naming it, never a 5xx): ``wire.paths`` (names), ``wire.server``
+# (``check_version``, batch reads, digests), ``spoke.routes`` (``Fields``: integers are
+# int64 and never negative, unknown fields are ignored, null is absent).
+_NAME = {"type": "string", "pattern": f"^{DATASET_NAME.pattern}$"}
+_SNAPSHOT = {"type": "string", "pattern": f"^{DATASET_NAME.pattern}$",
+             "description": 'a snapshot id, or "latest"'}
+_VERSION = {"type": "string", "pattern": "^[A-Za-z0-9]{1,64}$", "description": "a file version"}
+_PARAMS: dict[str, dict[str, object]] = {
+    "ds": _NAME,
+    "snap": _SNAPSHOT,
+    "version": _VERSION,
+    "job": {"type": "string", "pattern": "^[^/]{1,200}$"},
+    "ref": {"type": "string", "description": "a dataset, or DATASET@SNAPSHOT",
+            "pattern": f"^{DATASET_NAME.pattern}(@{DATASET_NAME.pattern})?$"},
+    "path": {"type": "string", "description": "a path in the snapshot (slashes included)"},
+}
+
+
+def _header(name: str, schema: dict[str, object], about: str) -> dict[str, object]:
+    return {"name": name, "in": "header", "required": False, "schema": schema,
+            "description": about}
+
+
+_RANGE = _header("Range", {"type": "string", "pattern": "^bytes=[0-9]*-[0-9]*$"},
+                 "one byte range (RFC 9110): bytes=START-END, START- or -SUFFIX")
+_STREAM = [_header(H_READER, {"type": "string", "maxLength": 200},
+                   "names one sequential stream of reads (the planner's)"),
+           _header(H_JOB, {"type": "string", "maxLength": 200}, "names the training job")]
+# handler -> the request headers it reads, besides Authorization.
+HEADERS: dict[str, list[dict[str, object]]] = {
+    "get_object": [_RANGE, _header(H_SNAPSHOT, _SNAPSHOT, "the snapshot the reader reads "
+                                   "from: a spoke keeps its files cached"), *_STREAM],
+    "plain_read": [_RANGE, *_STREAM],
+}
+_INT = {"type": "integer", "minimum": 0, "maximum": (1 << 63) - 1}
+_TEXT = {"type": "string", "maxLength": 4096}
+_FLAG = {"type": "boolean"}
+_SNAPSHOTS = {"type": "array", "items": _SNAPSHOT}
+_BLOCKS = {"type": "array", "minItems": 1, "items": {
+    "type": "array", "prefixItems": [_VERSION, _INT], "minItems": 2, "maxItems": 2}}
+_SELECT = {  # files of a snapshot: by path, by manifest index, or every file under a prefix
+    "snapshot": _SNAPSHOT, "paths": {"type": "array", "items": _TEXT},
+    "indexes": {"type": "array", "items": _INT}, "prefix": _TEXT}
+_READ = {"type": "object", "properties": {
+    "start": _INT, "end": _INT, "path": _TEXT, "size": _INT, "reader": _TEXT, "job": _TEXT}}
+_SECONDS = {"type": "number", "minimum": 0, "maximum": 86_400}
+
+
+def _object(props: dict[str, object], *required: str, **more: object) -> dict[str, object]:
+    out: dict[str, object] = {"type": "object", "properties": props, **more}
+    if required:
+        out["required"] = list(required)
+    return out
+
+
+# handler -> the JSON body it reads (a route that takes a body and is not named here: ``{}``).
+BODIES: dict[str, dict[str, object]] = {
+    "order": _object({**_SELECT, "epoch": _INT, "ranges": {"type": "array", "items": {
+        "type": "array", "prefixItems": [_INT, {**_INT, "minimum": 1}],
+        "minItems": 2, "maxItems": 2}}}),
+    "epoch": _object({"epoch": _INT}),
+    "steps": _object({"steps": {"type": "array", "items": {
+        "type": "array", "prefixItems": [_SECONDS, _SECONDS], "minItems": 2, "maxItems": 2}}},
+        "steps"),
+    "warm": _object({**_SELECT, "pin": _FLAG}),
+    "unpin": _object(_SELECT),
+    "residency": _object(_SELECT),
+    "purge": _object({"dataset": _NAME, "snapshot": _SNAPSHOT,
+                      "keep": {**_SNAPSHOTS, "minItems": 1},
+                      "paths": {"type": "array", "items": _TEXT}}),
+    "locate": _object({"blocks": _BLOCKS, "fetch": _FLAG, "damaged": _FLAG, "read": _READ,
+                       "since": _INT, "snapshots": _SNAPSHOTS}, "blocks"),
+    "reads": _object({"reads": {"type": "array", "items": {
+        "type": "array", "minItems": 4, "maxItems": 4, "prefixItems": [
+            _VERSION, _INT, _INT, {"anyOf": [_READ, {"type": "null"}]}]}},
+        "by": _TEXT, "bytes": _INT, "since": _INT, "snapshots": _SNAPSHOTS}, "reads"),
+    "counts": _object({}, additionalProperties=_INT, maxProperties=64),
+    "flush": _object({}),
+    "create_snapshot": _object({}),
+    "read_blocks": _object({"blocks": _BLOCKS}, "blocks"),
+    "digests": _object({"versions": {"type": "array", "minItems": 1, "items": _VERSION}},
+                       "versions"),
+}
+_ERROR = _object({"error": _object({"code": {"type": "string"}, "message": {"type": "string"}},
+                                   "code", "message")}, "error")
+_ERROR_REF = {"application/json": {"schema": {"$ref": "#/components/schemas/error"}}}
+_STATUSES = {
+    200: "ok", 201: "created", 202: "accepted: under way", 206: "the range asked for",
+    301: "moved: the folder's URL ends in /", 302: "found: the page is at /ui/",
+    400: "a malformed request (a path, a parameter, a body)",
+    401: "no token, or one the server does not know",
+    403: "a token that does not allow this request", 404: "no such dataset, snapshot, path",
+    410: "a file version the hub can no longer serve", 413: "a body, or a list in it, too large",
+    416: "a range past the end of the file", 429: "the server's table of jobs is full",
+    502: "the upstream's answer was refused", 503: "the upstream is unavailable, or the "
+    "server is out of file descriptors (Retry-After)"}
+
+
+def _answers(r: Route, body: bool) -> dict[str, object]:
+    """The statuses a route answers: its successes (``Route.ok``) and the errors that can
+    come from where it is answered, each error a JSON ``{"error": {"code", "message"}}``."""
+    codes = {*r.ok, 400, 503}  # a malformed request; overloaded (out of file descriptors)
+    if r.scope is not Scope.PUBLIC:
+        codes |= {401, 403}
+    if _params(canonical(r.path)) or body:
+        codes |= {404}
+    if body:
+        codes |= {413}
+    if r.scope in (Scope.READ, Scope.ADMIN, Scope.INTERNAL):  # what a spoke asks its upstream
+        codes |= {410, 502}
+    if "version" in r.path or r.handler == "plain_read":
+        codes |= {416}
+    if r.job:
+        codes |= {429}
+    return {str(c): {"description": _STATUSES[c], **({"content": _ERROR_REF} if c >= 400 else {})}
+            for c in sorted(codes)}
+
+
 def openapi(owners: Iterable[Owner], title: str) -> dict[str, object]:
     """An OpenAPI 3.1 document of the routes a server of these owners answers: paths,
-    methods and the scope each needs (``x-spokefs-scope``)."""
+    methods, the scope each needs (``x-spokefs-scope``), what its path parameters and JSON
+    body may hold and the statuses it answers."""
     paths: dict[str, dict[str, object]] = {}
     for r in routes_of(owners):
         path = canonical(r.path)
-        params = [{"name": p, "in": "path", "required": True, "schema": {"type": "string"}}
-                  for p in _params(path)]
+        params = [{"name": p, "in": "path", "required": True, "schema": _PARAMS[p]}
+                  for p in _params(path)] + HEADERS.get(r.handler, [])
+        body = r.method in ("POST", "PUT")
         op: dict[str, object] = {
             "summary": r.summary, "operationId": f"{r.owner}_{r.handler}",
-            "x-spokefs-scope": str(r.scope),
-            "responses": {"200": {"description": "ok"},
-                          "default": {"description": 'an error: {"error": {"code", '
-                                                     '"message"}}'}}}
+            "x-spokefs-scope": str(r.scope), "responses": _answers(r, body)}
         if params:
             op["parameters"] = params
         if r.scope is not Scope.PUBLIC:
             op["security"] = [{"bearer": []}]
-        if r.method in ("POST", "PUT"):
-            op["requestBody"] = {"required": False, "content": {
-                "application/json": {"schema": {"type": "object"}}}}
+        if body:
+            schema = BODIES.get(r.handler, _object({}))
+            op["requestBody"] = {"required": "required" in schema, "content": {
+                "application/json": {"schema": schema}}}
         paths.setdefault(path, {})[r.method.lower()] = op
     return {"openapi": "3.1.0", "info": {"title": title, "version": "1"},
-            "components": {"securitySchemes": {"bearer": {"type": "http",
-                                                          "scheme": "bearer"}}},
+            "components": {"securitySchemes": {"bearer": {"type": "http", "scheme": "bearer"}},
+                           "schemas": {"error": _ERROR}},
             "paths": paths}
 
 

@@ -94,7 +94,10 @@ async def errors_middleware(request: web.Request, handler: Callable) -> web.Stre
     except web.HTTPException as exc:
         if exc.status >= 400 and exc.content_type != "application/json":
             body = {"error": {"code": exc.reason.lower().replace(" ", "_"), "message": exc.reason}}
-            return web.json_response(body, status=exc.status)
+            # Its headers stay (a 405's Allow: RFC 9110 requires it), but for the body's.
+            kept = {k: v for k, v in exc.headers.items()
+                    if k.lower() not in ("content-type", "content-length")}
+            return web.json_response(body, status=exc.status, headers=kept)
         raise
     except OSError as exc:
         if exc.errno not in (errno.EMFILE, errno.ENFILE):
