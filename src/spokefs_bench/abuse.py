@@ -6,7 +6,10 @@ while alone (``idle``), then again while, at the same time (``loaded``):
 - hundreds of slow clients send request headers a byte at a time and never finish;
 - one reader asks for a multi-GiB file and takes 1 MiB/s of it, then goes away;
 - a stream of malformed requests: bad ranges, path escapes, wrong JSON types, a gzip bomb,
-  an order with absurd ranges, raw garbage.
+  an order with absurd ranges, raw garbage;
+- memory hogs: a crowd of batch reads of 64 MiB of cached blocks each, read slowly (a replica
+  worker copies what it serves); JSON that parses to ~24 times its size; a job announcing
+  epoch after epoch without reading.
 
 Reported: the spoke's and the hub's peak memory (RSS of every process of each), the ordinary
 readers' p99 loaded against idle, the bytes of the abandoned file that crossed to the spoke
@@ -51,6 +54,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--seconds", type=float, default=20.0,
                    help="length of the idle and of the loaded phase (default 20)")
     p.add_argument("--readers", type=int, default=4, help="ordinary reader threads (4)")
+    p.add_argument("--batch-crowd", type=int, default=16,
+                   help="slow batch reads of 64 MiB each at once (default 16)")
     p.set_defaults(func=run)
 
 
@@ -229,6 +234,58 @@ def _malformed(base: str, names: list[str], seconds: float, errors: Errors) -> i
     return sent
 
 
+def _batch_hog(host: str, port: int, body: bytes, seconds: float) -> int:
+    """POST a batch read and take its answer at 1 MiB/s for ``seconds``; the status."""
+    with socket.create_connection((host, port), timeout=30) as s:
+        s.sendall(f"POST /v1/datasets/ds/blocks HTTP/1.1\r\nHost: x\r\nContent-Type: "
+                  f"application/json\r\nContent-Length: {len(body)}\r\n\r\n".encode() + body)
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 64 << 10)
+        head = s.recv(64 << 10)
+        end = time.monotonic() + seconds
+        while time.monotonic() < end and s.recv(64 << 10):
+            time.sleep(1 / 16)  # 64 KiB per 1/16 s: 1 MiB/s
+        return int(head[9:12]) if head[:9] == b"HTTP/1.1 " and head[9:12].isdigit() else 0
+
+
+def _memory_hogs(base: str, seconds: float, crowd: int, errors: Errors) -> dict[str, Any]:
+    """The memory cases: a crowd of slow batch reads, a JSON bomb, an endless epoch loop."""
+    import urllib3
+
+    from spokefs.manifest import Manifest
+
+    http = urllib3.PoolManager(retries=False, timeout=60)
+    host, port = base.removeprefix("http://").split(":")
+    blob = http.request("GET", f"{base}/v1/datasets/ds/snapshots/latest/manifest",
+                        decode_content=False).data
+    m = Manifest.decode(blob)
+    small = [[v, 0] for p, v in zip(m.paths, m.versions, strict=True) if p.startswith("small/")]
+    per = max(1, (64 << 20) // (64 << 10) - 1)  # just under a batch's 64 MiB
+    body = json.dumps({"blocks": small[:per]}).encode()
+    statuses: list[int] = []
+    threads = [threading.Thread(target=lambda: statuses.append(
+        _batch_hog(host, int(port), body, seconds / 2))) for _ in range(crowd)]
+    for t in threads:
+        t.start()
+    j = {"Content-Type": "application/json"}
+    bomb = b"[" + b"{}," * (8 << 20) + b"{}]"  # 24 MiB that json.loads makes ~600 MiB of
+    r = http.request("POST", f"{base}/v1/datasets/ds/jobs/hog/order", body=bomb, headers=j)
+    errors.saw(r.status, "JSON bomb")
+    bomb_status = r.status
+    files = [p for p in m.paths if p.startswith("small/")]
+    epochs, end = 0, time.monotonic() + seconds / 2
+    while time.monotonic() < end:  # epoch after epoch, nothing read
+        r = http.request("POST", f"{base}/v1/datasets/ds/jobs/loop/order", headers=j,
+                         body=json.dumps({"epoch": epochs, "paths": files}).encode())
+        errors.saw(r.status, "epoch loop")
+        epochs += 1
+    for t in threads:
+        t.join()
+    for st in statuses:
+        errors.saw(st, "slow batch read")
+    return {"batch_crowd": crowd, "batch_statuses": sorted(set(statuses)),
+            "json_bomb_status": bomb_status, "epochs_announced": epochs}
+
+
 # -- the run ---------------------------------------------------------------------------------
 def run(args: argparse.Namespace) -> int:
     from spokefs.client.control import SpokeControl
@@ -292,7 +349,10 @@ def run(args: argparse.Namespace) -> int:
 
         threads = [threading.Thread(target=sample), threading.Thread(target=hostile),
                    threading.Thread(target=lambda: side.__setitem__(
-                       "malformed", _malformed(spoke.url, names, args.seconds, errors)))]
+                       "malformed", _malformed(spoke.url, names, args.seconds, errors))),
+                   threading.Thread(target=lambda: side.__setitem__(
+                       "memory", _memory_hogs(spoke.url, args.seconds, args.batch_crowd,
+                                              errors)))]
         for t in threads:
             t.start()
         loaded = _ordinary(spoke.url, names, args.readers, args.seconds, errors)
@@ -318,6 +378,7 @@ def run(args: argparse.Namespace) -> int:
         "abandoned_taken_bytes": side.get("abandoned", {}).get("taken_bytes"),
         "server_errors": errors.server, "server_error_samples": errors.samples,
         "malformed_requests": side.get("malformed"), "slow": side.get("slow"),
+        "memory_hogs": side.get("memory"),
     }
     goals = [{"goal": g, "value": results[k], "met": results[k] is not None
               and results[k] <= limit} for g, (k, limit) in GOALS.items()]
@@ -325,7 +386,8 @@ def run(args: argparse.Namespace) -> int:
            "load_average_before": [round(x, 2) for x in load_before],
            "load_average_after": [round(x, 2) for x in os.getloadavg()],
            "params": {"slow_clients": args.slow_clients, "large_size": args.large_size,
-                      "seconds": args.seconds, "readers": args.readers},
+                      "seconds": args.seconds, "readers": args.readers,
+                      "batch_crowd": args.batch_crowd},
            "results": results, "goals": goals}
     path = write_json(out, doc)
     print(table([[k, v] for k, v in results.items() if not isinstance(v, (list, dict))],

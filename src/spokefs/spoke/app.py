@@ -12,14 +12,15 @@ from spokefs.spoke.tier import peer_middleware
 from spokefs.wire.authz import JobOwners
 from spokefs.wire.routetable import Owner
 from spokefs.wire.run import serve_forever
-from spokefs.wire.server import BATCH_MEMORY, RELOAD_KEY, build_app
+from spokefs.wire.server import RELOAD_KEY, build_app
 
 
 def build_spoke_app(backend: SpokeBackend) -> web.Application:
     auth = backend.config.auth
     app = build_app(backend, {Owner.SPOKE: SpokeRoutes(backend)},
                     auth=Path(auth) if auth else None, jobs=JobOwners(), audit=backend.audit,
-                    internal_key=lambda: backend.store.key, batch_memory=BATCH_MEMORY)
+                    internal_key=lambda: backend.store.key,
+                    batch_memory=backend.config.batch_memory)
     app[RELOAD_KEY] = [backend.reload_dataset_rules]
     if backend.tier is not None:  # innermost: after the token was checked
         app.middlewares.append(peer_middleware)

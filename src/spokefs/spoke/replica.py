@@ -17,6 +17,7 @@ added to the primary's metrics, so /metrics and /v1/status speak for the whole s
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import logging
 import time
@@ -46,6 +47,7 @@ from spokefs.wire.backend import (
     BlockPart,
     DatasetInfo,
     DatasetVersions,
+    LaterBlock,
     ManifestMemo,
     ReadContext,
     Segment,
@@ -332,6 +334,14 @@ class ReplicaBackend:
                                  {"blocks": [list(key)], "fetch": False, "damaged": True})
         return None
 
+    async def _sent_block(self, name: str, key: BlockKey, size: int) -> memoryview | None:
+        """A batch's block as it is sent; None (the batch is cut) if it cannot be had now."""
+        try:
+            return await self._read_block(name, key, 0, size)
+        except SpokeError as exc:
+            log.warning("block %d of %s left a batch read unfinished: %s", key[1], key[0], exc)
+            return None
+
     async def _proxied_read(self, name: str, version: str, start: int, end: int
                             ) -> AsyncIterator[bytes]:
         status, _, data = await self._call(
@@ -368,15 +378,16 @@ class ReplicaBackend:
             await self._locate(name, missing, fetch=True)
         parts = []
         for key in blocks:
-            try:
-                loc = self._locs.get(key)
-                data = await self._read_block(name, key, 0, loc.size) if loc else None
-                if data is None or loc is None:
-                    raise UpstreamUnavailable(f"block {key[1]} of {key[0]} could not be kept",
-                                              "primary worker", "pass-through")
-                parts.append(BlockPart(200, data, loc.object_size, loc.digest))
-            except SpokeError as exc:
-                parts.append(BlockPart.error(exc))
+            loc = self._locs.get(key)
+            if loc is None:
+                parts.append(BlockPart.error(UpstreamUnavailable(
+                    f"block {key[1]} of {key[0]} could not be kept", "primary worker",
+                    "pass-through")))
+                continue
+            # Read and checked as it is sent (``LaterBlock``): one block held at a time.
+            read = functools.partial(self._sent_block, name, key, loc.size)
+            parts.append(BlockPart(200, LaterBlock(loc.size, read), loc.object_size,
+                                   loc.digest))
         return parts
 
 
@@ -393,8 +404,8 @@ class _Own:
 
 def build_replica_app(backend: ReplicaBackend, auth: Path | None = None,
                       audit: Audit | None = None,
-                      internal_key: Callable[[], bytes | None] | None = None
-                      ) -> web.Application:
+                      internal_key: Callable[[], bytes | None] | None = None,
+                      batch_memory: int = BATCH_MEMORY) -> web.Application:
     """Reads answered here; the table's ``primary`` routes forwarded to the primary, which
     checks the reader's token again (``wire.authz``)."""
 
@@ -412,7 +423,7 @@ def build_replica_app(backend: ReplicaBackend, auth: Path | None = None,
                     forward=backend.forward, auth=auth,
                     jobs=None,  # the primary keeps who owns a job
                     audit=audit,  # this worker's own file (spokefs.audit.worker_file)
-                    internal_key=internal_key, batch_memory=BATCH_MEMORY)
+                    internal_key=internal_key, batch_memory=batch_memory)
     app.middlewares.append(peers_to_primary)  # innermost: after the token was checked
 
     async def lifecycle(app: web.Application) -> AsyncIterator[None]:

@@ -66,6 +66,7 @@ from spokefs.wire.backend import (
     DatasetInfo,
     DatasetVersions,
     FileSegment,
+    LaterBlock,
     ManifestMemo,
     ReadContext,
     Segment,
@@ -74,6 +75,7 @@ from spokefs.wire.backend import (
 )
 from spokefs.wire.client import UpstreamClient
 from spokefs.wire.looplag import LoopLag
+from spokefs.wire.server import BATCH_MEMORY
 
 log = logging.getLogger(__name__)
 
@@ -101,6 +103,9 @@ class SpokeConfig:
     # A read asks for at most this many bytes beyond what its client has taken, so a slow or
     # abandoned reader of a huge range holds and pulls one window, not the whole range.
     read_window: int = 64 << 20
+    # Bytes of batch reads this process holds at once (``wire.server.ByteRoom``): the spoke's
+    # budget, shared out among its worker processes (``spoke.workers``).
+    batch_memory: int = BATCH_MEMORY
     pin_ttl: float = 24 * 3600.0    # a warm-up's pins are released after this long
     pin_share: float = 0.8          # most of the capacity warm-ups may pin at once
     # Blocks of a file version no snapshot in use holds (changed or removed at the source)
@@ -645,11 +650,31 @@ class SpokeBackend:
                 if key not in self.store and self.fetcher.recent(key) is None}
         parts = []
         for key in blocks:
+            loc = self.store.get(key) if key not in futs else None
+            if loc is not None and loc.size < CHECK_IN_THREAD:
+                # Resident and small: read and checked as it is sent (``LaterBlock``), so a
+                # batch holds one such block at a time (a large one goes out by sendfile).
+                read = functools.partial(self._later_block, name, key, direct, asker)
+                parts.append(BlockPart(200, LaterBlock(loc.size, read),
+                                       self.store.object_size(key[0]) or 0, loc.digest))
+                continue
             try:
                 parts.append(await self._whole_block(name, key, futs.get(key), direct, asker))
             except SpokeError as exc:
                 parts.append(BlockPart.error(exc))
         return parts
+
+    async def _later_block(self, name: str, key: BlockKey, direct: bool, asker: str | None
+                           ) -> bytes | memoryview | None:
+        """A batch's block as it is sent (fetched again if it left meanwhile); None cuts
+        the batch (it cannot be had now, or came as a file region)."""
+        try:
+            part = await self._whole_block(name, key, None, direct, asker)
+        except SpokeError as exc:
+            log.warning("block %d of %s left a batch read unfinished: %s", key[1], key[0], exc)
+            return None
+        p = part.payload
+        return p if part.status == 200 and isinstance(p, bytes | memoryview) else None
 
     async def _cached_block(self, name: str, key: BlockKey) -> BlockPart:
         """A block from this member's cache (or a fetch just done) for another member's

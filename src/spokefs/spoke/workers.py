@@ -125,6 +125,8 @@ def serve_workers(config: SpokeConfig, host: str, port: int, n: int) -> int:
     unix_path = config.cache_dir / "spoke.sock"
     for old in replica_sockets(config.cache_dir):  # left by an earlier run with more workers
         old.unlink(missing_ok=True)
+    # One budget for batch reads, whatever the workers: each holds its share.
+    config = dataclasses.replace(config, batch_memory=max(1, config.batch_memory // n))
     workers = [Worker(i, s, config, unix_path) for i, s in enumerate(socks)]
     stopping = threading.Event()
 
@@ -197,7 +199,8 @@ def run_worker(role: str, index: int, listen_fd: int, unix_path: str, config_raw
         from spokefs.cache.store import internal_key
 
         key = internal_key(config.cache_dir)  # the primary made it (or this makes it)
-        asyncio.run(serve_forever(build_replica_app(backend, auth, audit, lambda: key), "", 0,
+        asyncio.run(serve_forever(build_replica_app(backend, auth, audit, lambda: key,
+                                                    config.batch_memory), "", 0,
                                   "spoke-worker", sock=sock, unix_path=mine, tls=config.tls()))
     return 0
 

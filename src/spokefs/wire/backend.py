@@ -64,7 +64,19 @@ class FileSegment:
             done()
 
 
-Segment = FileSegment | bytes | memoryview
+@dataclass(slots=True)
+class LaterBlock:
+    """A block of ``count`` bytes read, and checked, only as it is sent (``read``: its bytes,
+    or None when they fail their check): a batch holds one block at a time, and a client
+    that leaves mid-batch costs no reads of the rest. A block that fails as it is sent cuts
+    the response (its length was announced), never sends unchecked bytes, and its reader
+    asks again (docs/protocol.md, "Batch reads")."""
+
+    count: int
+    read: Callable[[], Awaitable[bytes | memoryview | None]]
+
+
+Segment = FileSegment | LaterBlock | bytes | memoryview
 
 
 @dataclass(slots=True)
@@ -80,7 +92,7 @@ class BlockPart:
     @property
     def length(self) -> int:
         p = self.payload
-        return p.count if isinstance(p, FileSegment) else len(p)
+        return p.count if isinstance(p, FileSegment | LaterBlock) else len(p)
 
     @classmethod
     def error(cls, exc: SpokeError) -> BlockPart:

@@ -41,7 +41,15 @@ from spokefs.wire.authz import (
     visible_status,
     well_formed,
 )
-from spokefs.wire.backend import Backend, BlockPart, DatasetInfo, FileSegment, ReadContext, Segment
+from spokefs.wire.backend import (
+    Backend,
+    BlockPart,
+    DatasetInfo,
+    FileSegment,
+    LaterBlock,
+    ReadContext,
+    Segment,
+)
 from spokefs.wire.bodies import json_body
 from spokefs.wire.frames import HEADER_SIZE, encode_header
 from spokefs.wire.headers import (
@@ -176,6 +184,12 @@ async def send_frames(request: web.Request, resp: web.StreamResponse,
     try:
         for seq, part in enumerate(parts):
             payload = part.payload
+            if isinstance(payload, LaterBlock):
+                data = await payload.read()
+                if data is None or len(data) != payload.count:
+                    raise ConnectionAbortedError(f"block {seq} of a batch failed its check as "
+                                                 "it was sent: the batch is cut")
+                payload = data
             chunk += encode_header(seq, part.status, part.length, part.object_size, part.digest)
             if isinstance(payload, FileSegment):
                 if payload.count <= _SMALL_PAYLOAD:
@@ -457,6 +471,7 @@ class Api:
         resp = web.StreamResponse(status=200, headers={"Content-Type": BLOCKS_TYPE})
         resp.content_length = sum(HEADER_SIZE + p.length for p in parts)
         nbytes = sum(p.length for p in parts if p.status == 200)
+        failed = sum(p.status != 200 for p in parts)
         try:
             await resp.prepare(request)
             await send_frames(request, resp, parts)
@@ -465,8 +480,14 @@ class Api:
             self.audit.read(request, ds, None, 200, version=(v for v, _ in blocks),
                             blocks=len(blocks), complete=False)
             raise
+        finally:
+            # The blocks go now, not with this frame: a client gone mid-batch leaves its
+            # exception (and so this frame) referenced past the request, and the batch's
+            # bytes with it, outside the ByteRoom's count (measured: 64 MiB kept per
+            # abandoned batch, ``spokefs bench abuse``).
+            parts.clear()
         self.audit.read(request, ds, nbytes, 200, version=(v for v, _ in blocks),
-                        blocks=len(blocks), failed=sum(p.status != 200 for p in parts))
+                        blocks=len(blocks), failed=failed)
         self.bytes_served.inc(nbytes)
         self.requests.labels("blocks", "200").inc()
         return resp
