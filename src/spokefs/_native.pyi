@@ -33,3 +33,31 @@ def block_digest(data: Buffer) -> bytes:
     """The xxh3-128 of ``data``, 16 bytes big-endian (as ``xxhash.xxh3_128_digest``). Not used
     by ``spokefs.integrity``, which keeps python-xxhash: measured no faster (``spokefs bench
     native``); here for the benchmark and for Rust-side callers to come."""
+
+class Mount:
+    """The native mount engine (native/mount): one snapshot as a read-only FUSE mount,
+    served by Rust threads (``spokefs.mount.native``). Errors are the project's
+    ConfigError (settings, columns, unmount) with a message saying why."""
+
+    def __init__(self, mountpoint: str, *, paths: list[str], sizes: list[int],
+                 modes: list[int], mtimes_ns: list[int], versions: list[str],
+                 dirs: list[str], block_size: int, dataset: str, snapshot: str,
+                 base_url: str, token: str | None = None, deadline_s: float = 30.0,
+                 options: list[str], uid: int = 0, gid: int = 0, created_ns: int = 0,
+                 short_circuit: dict[str, object] | None = None, workers: int = 32,
+                 connections: int = 32) -> None: ...
+    def start(self) -> None:
+        """Mount; returns once the kernel has initialised the session (GIL released)."""
+    def wait(self, timeout_s: float) -> bool:
+        """Up to ``timeout_s`` (sooner when a log line waits); True once unmounted."""
+    def unmount(self) -> bool:
+        """Detach lazily; False if it was gone already."""
+    def counters(self) -> dict[str, int]: ...
+    def take_logs(self) -> list[tuple[int, str]]:
+        """(logging level, message) lines waiting for the owner."""
+    def close(self) -> None:
+        """After the mount is gone: the last reads reported."""
+    @property
+    def file_count(self) -> int: ...
+    @property
+    def total_bytes(self) -> int: ...

@@ -9,6 +9,8 @@
 //! size 0, a start off a chunk boundary, a read-only or non-contiguous buffer) raises
 //! ValueError, TypeError or BufferError. Types: `src/spokefs/_native.pyi`.
 
+mod mount;
+
 use std::io;
 use std::num::NonZeroUsize;
 use std::os::fd::RawFd;
@@ -158,5 +160,6 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(chunk_digests, m)?)?;
     m.add_function(wrap_pyfunction!(read_checked, m)?)?;
     m.add_function(wrap_pyfunction!(block_digest, m)?)?;
+    m.add_class::<mount::PyMount>()?;
     Ok(())
 }

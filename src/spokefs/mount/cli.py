@@ -62,6 +62,11 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="the spoke's cache folder on this host, for the short circuit (by "
                    "default the folder the spoke's status names, which it shows only to an "
                    "admin token or without --auth)")
+    m.add_argument("--engine", choices=("auto", "native", "python"),
+                   default=os.environ.get("SPOKEFS_MOUNT_ENGINE") or "auto",
+                   help="what serves the mount: native (a Rust FUSE daemon; plain http, no "
+                   "--cache-dir), python (pyfuse3; everything), or auto (native when it can, "
+                   "else python; the default, or SPOKEFS_MOUNT_ENGINE). The log says which")
     m.add_argument("--log-file", type=Path,
                    help="where a background mount logs (default "
                    "~/.local/state/spokefs/mount/NAME-HASH.log)")
@@ -89,7 +94,7 @@ def _mount(args: argparse.Namespace) -> int:
                         allow_other=args.allow_other,
                         read_ahead_kb=args.read_ahead_kb or DEFAULT_READ_AHEAD_KB,
                         short_circuit=not args.no_short_circuit,
-                        spoke_cache=args.spoke_cache)
+                        spoke_cache=args.spoke_cache, engine=args.engine)
     if not args.foreground:
         return _daemonise(args)
     return _foreground(opts, args.ready_fd)
@@ -133,6 +138,7 @@ def _daemonise(args: argparse.Namespace) -> int:
         cmd.append("--no-short-circuit")
     if args.spoke_cache is not None:
         cmd += ["--spoke-cache", str(args.spoke_cache.absolute())]
+    cmd += ["--engine", args.engine]
     cmd += [args.url, str(args.mountpoint.absolute())]
     with open(log_file, "ab") as log:
         child = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=log, stderr=log,

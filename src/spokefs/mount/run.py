@@ -26,6 +26,7 @@ from spokefs.mount import sysfs
 from spokefs.mount.coalesce import Coalescer
 from spokefs.mount.fs import SnapshotFS
 from spokefs.mount.inodes import InodeTable
+from spokefs.mount.native import choose, serve_native
 from spokefs.mount.process import unmount
 from spokefs.mount.source import EmbeddedSource, Source, Target, UpstreamSource
 from spokefs.units import format_size
@@ -48,6 +49,7 @@ class MountOptions:
     read_ahead_kb: int = DEFAULT_READ_AHEAD_KB
     short_circuit: bool = True         # read the spoke's cache files when on its host
     spoke_cache: Path | None = None    # the spoke's cache folder here (else its status's)
+    engine: str = "auto"               # auto, native (Rust daemon), python (spokefs.mount.native)
 
 
 def fuse_options(opts: MountOptions) -> set[str]:
@@ -93,6 +95,7 @@ async def serve(opts: MountOptions, on_ready: Callable[[str], None]) -> None:
     pyfuse3.asyncio.enable()
     mountpoint = opts.mountpoint.absolute()
     clear_stale(mountpoint)
+    engine = choose(opts)
     source = make_source(opts)
     try:
         t0 = time.monotonic()
@@ -101,11 +104,18 @@ async def serve(opts: MountOptions, on_ready: Callable[[str], None]) -> None:
         except ReadFailed as exc:
             raise UpstreamUnavailable(f"cannot mount {source.target}: {exc}",
                                       source.target.base, str(exc)) from exc
+        log.info("snapshot %s@%s: %d files, %s, loaded in %.2fs", manifest.dataset,
+                 manifest.snapshot, len(manifest), format_size(manifest.total_bytes),
+                 time.monotonic() - t0)
+        if engine == "native":
+            assert isinstance(source, UpstreamSource)  # choose(): no embedded cache
+            held = [manifest]  # the daemon copies the columns: let them go after
+            del manifest
+            await serve_native(opts, mountpoint, source, held.pop(), on_ready,
+                               fuse_options(opts))
+            return
         table = InodeTable(manifest)
         del manifest  # the table keeps the columns it needs
-        log.info("snapshot %s@%s: %d files, %s, loaded in %.2fs", table.dataset,
-                 table.snapshot, table.file_count, format_size(table.total_bytes),
-                 time.monotonic() - t0)
         # Fetch in blocks of the dataset, but no more than 4 MiB at a time (a dataset with
         # huge blocks would otherwise hold few of them per stream).
         reader = Coalescer(source.read_into, min(table.block_size, FETCH_UNIT))
@@ -163,7 +173,7 @@ async def _serve_fuse(opts: MountOptions, mountpoint: Path, ops: SnapshotFS,
             ra = sysfs.set_read_ahead_kb(mountpoint, opts.read_ahead_kb)
             t = ops.table
             on_ready(f"spokefs mount ready: {t.dataset}@{t.snapshot} at {mountpoint} "
-                     f"({t.file_count} files, {format_size(t.total_bytes)}, "
+                     f"({t.file_count} files, {format_size(t.total_bytes)}, engine=python, "
                      f"read_ahead_kb={ra if ra is not None else 'unchanged'})")
         await main
     finally:

@@ -1,0 +1,149 @@
+//! `spokefs._native.Mount`: the native FUSE mount (native/mount, spokefs-mount) behind the
+//! Python CLI (`spokefs mount --engine native`, src/spokefs/mount/native.py).
+//!
+//! The seam is one call with everything: the manifest's columns (lists, copied once into
+//! Rust) and the settings Python resolved. After `start()` the kernel's requests never
+//! touch Python; Python only waits (`wait`, the GIL released, so its signal handlers run
+//! between calls), unmounts on a signal, drains log lines into its logging, and reads the
+//! counters. Errors at the seam are the project's own: ConfigError (spokefs.errors).
+
+use std::collections::HashMap;
+use std::path::PathBuf;
+use std::time::Duration;
+
+use pyo3::exceptions::PyValueError;
+use pyo3::prelude::*;
+use pyo3::types::PyDict;
+
+use spokefs_mount::{Columns, Mount, MountConfig, MountError, ScConfig};
+
+/// A `spokefs.errors` exception (ConfigError, ReadFailed, ...) carrying `msg`.
+fn project_error(py: Python<'_>, name: &str, msg: String) -> PyErr {
+    let made = py
+        .import("spokefs.errors")
+        .and_then(|m| m.getattr(name))
+        .and_then(|cls| cls.call1((msg.clone(),)));
+    match made {
+        Ok(exc) => PyErr::from_value(exc),
+        Err(_) => PyValueError::new_err(msg), // spokefs not importable: still say why
+    }
+}
+
+fn mount_error(py: Python<'_>, e: MountError) -> PyErr {
+    // The Python mount raises ConfigError for both (a bad setting, a mountpoint refused).
+    project_error(py, "ConfigError", e.to_string())
+}
+
+fn sc_config(d: &Bound<'_, PyDict>) -> PyResult<ScConfig> {
+    let get = |k: &str| -> PyResult<Bound<'_, PyAny>> {
+        d.get_item(k)?.ok_or_else(|| PyValueError::new_err(format!("short_circuit needs {k:?}")))
+    };
+    Ok(ScConfig {
+        cache_dir: PathBuf::from(get("cache_dir")?.extract::<String>()?),
+        cache_id: get("cache_id")?.extract()?,
+        chunk_size: get("chunk_size")?.extract()?,
+        key: get("key")?.extract()?,
+    })
+}
+
+/// One native mount of one snapshot (see src/spokefs/_native.pyi).
+#[pyclass(module = "spokefs._native", name = "Mount", frozen)]
+pub struct PyMount {
+    inner: Mount,
+}
+
+#[pymethods]
+impl PyMount {
+    #[new]
+    #[pyo3(signature = (mountpoint, *, paths, sizes, modes, mtimes_ns, versions, dirs, block_size,
+                        dataset, snapshot, base_url, token=None, deadline_s=30.0, options,
+                        uid=0, gid=0, created_ns=0, short_circuit=None, workers=32,
+                        connections=32))]
+    #[allow(clippy::too_many_arguments)]
+    fn new(
+        py: Python<'_>,
+        mountpoint: PathBuf,
+        paths: Vec<String>,
+        sizes: Vec<u64>,
+        modes: Vec<u32>,
+        mtimes_ns: Vec<i64>,
+        versions: Vec<String>,
+        dirs: Vec<String>,
+        block_size: u64,
+        dataset: String,
+        snapshot: String,
+        base_url: String,
+        token: Option<String>,
+        deadline_s: f64,
+        options: Vec<String>,
+        uid: u32,
+        gid: u32,
+        created_ns: i64,
+        short_circuit: Option<Bound<'_, PyDict>>,
+        workers: usize,
+        connections: usize,
+    ) -> PyResult<PyMount> {
+        if !(deadline_s.is_finite() && deadline_s > 0.0) {
+            return Err(project_error(
+                py,
+                "ConfigError",
+                format!("deadline must be positive, not {deadline_s}"),
+            ));
+        }
+        let mut cfg = MountConfig::new(mountpoint, &base_url, &dataset, &snapshot, block_size);
+        cfg.token = token;
+        cfg.deadline = Duration::from_secs_f64(deadline_s);
+        cfg.options = options;
+        cfg.uid = uid;
+        cfg.gid = gid;
+        cfg.created_ns = created_ns;
+        cfg.short_circuit = short_circuit.as_ref().map(sc_config).transpose()?;
+        cfg.workers = workers;
+        cfg.connections = connections;
+        let cols = Columns { paths, sizes, modes, mtimes_ns, versions, dirs };
+        let inner = py.detach(|| Mount::new(cfg, cols)).map_err(|e| mount_error(py, e))?;
+        Ok(PyMount { inner })
+    }
+
+    /// Mount; returns once the kernel has started the session (GIL released).
+    fn start(&self, py: Python<'_>) -> PyResult<()> {
+        py.detach(|| self.inner.start()).map_err(|e| mount_error(py, e))
+    }
+
+    /// Wait up to `timeout_s` (less when a log line is waiting); True once unmounted.
+    fn wait(&self, py: Python<'_>, timeout_s: f64) -> bool {
+        let t = Duration::from_secs_f64(timeout_s.clamp(0.0, 3600.0));
+        py.detach(|| self.inner.wait(t))
+    }
+
+    /// Detach the mount lazily; False if it was gone already.
+    fn unmount(&self, py: Python<'_>) -> PyResult<bool> {
+        py.detach(|| self.inner.unmount()).map_err(|e| mount_error(py, e))
+    }
+
+    /// Counters by name: reads, read_bytes, read_errors, short_circuit_hits, http_reads,
+    /// fallbacks, ...
+    fn counters(&self) -> HashMap<&'static str, u64> {
+        self.inner.counters().into_iter().collect()
+    }
+
+    /// Log lines waiting, as (logging level, message), oldest first.
+    fn take_logs(&self) -> Vec<(u8, String)> {
+        self.inner.take_logs()
+    }
+
+    /// After unmounting: report the last reads to the spoke (briefly tried).
+    fn close(&self, py: Python<'_>) {
+        py.detach(|| self.inner.close())
+    }
+
+    #[getter]
+    fn file_count(&self) -> usize {
+        self.inner.table().file_count()
+    }
+
+    #[getter]
+    fn total_bytes(&self) -> u64 {
+        self.inner.table().total_bytes()
+    }
+}

@@ -1,0 +1,151 @@
+"""The native engine: the mount's FUSE daemon in Rust (``spokefs._native.Mount``, built from
+native/mount), behind the same ``spokefs mount`` command.
+
+Python keeps the setup: clearing a stale mount, resolving the snapshot and loading its
+manifest, the short-circuit probe, readiness (a stat through the kernel), readahead, logging,
+daemonising and ``spokefs umount``. It then hands Rust, in one call, the manifest's columns
+and the settings; from then on no FUSE request touches Python. Python waits (the GIL
+released), unmounts on SIGTERM or SIGINT, and passes the daemon's log lines on to its logging.
+
+``choose`` picks the engine: ``auto`` is native when the URL is plain http, there is no
+embedded cache (``--cache-dir`` stays Python) and the extension module has the mount; else
+python. Which one, and why, is logged.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import signal
+from collections.abc import Callable
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from spokefs.errors import ConfigError
+from spokefs.manifest import Manifest
+from spokefs.mount import sysfs
+from spokefs.mount.source import Target, UpstreamSource
+from spokefs.units import format_size
+from spokefs.wire.auth import client_token
+from spokefs.wire.headers import H_INTERNAL
+
+if TYPE_CHECKING:
+    from spokefs.mount.run import MountOptions
+
+log = logging.getLogger(__name__)
+
+ENGINES = ("auto", "native", "python")
+ROOT_INODE = 1
+WAIT_STEP = 0.5  # seconds a wait for the unmount lasts; signals and log lines come between
+
+
+def unavailable() -> str | None:
+    """Why the native mount cannot run in this build (None when it can)."""
+    try:
+        from spokefs import _native
+    except ImportError as exc:
+        return f"the extension module spokefs._native is not importable ({exc})"
+    if not hasattr(_native, "Mount"):
+        return "this build of spokefs._native has no Mount"
+    return None
+
+
+def choose(opts: MountOptions) -> str:
+    """``native`` or ``python`` for these options (logged); ConfigError when ``--engine
+    native`` was asked for and cannot be had."""
+    if opts.engine not in ENGINES:
+        raise ConfigError(f"--engine {opts.engine!r}: use one of {', '.join(ENGINES)}")
+    if opts.engine == "python":
+        log.info("engine: python (asked for)")
+        return "python"
+    why = None
+    if opts.cache_dir is not None:
+        why = "an embedded cache (--cache-dir) runs in the python engine only"
+    elif Target.parse(opts.url).base.startswith("https://"):
+        why = "the native engine reads plain http only (no TLS yet)"
+    else:
+        why = unavailable()
+    if why is None:
+        log.info("engine: native")
+        return "native"
+    if opts.engine == "native":
+        raise ConfigError(f"--engine native: {why}")
+    log.info("engine: python (%s)", why)
+    return "python"
+
+
+def _drain(mount: object) -> None:
+    for level, message in mount.take_logs():  # type: ignore[attr-defined]
+        log.log(level, "%s", message)
+
+
+async def serve_native(opts: MountOptions, mountpoint: Path, source: UpstreamSource,
+                       manifest: Manifest, on_ready: Callable[[str], None],
+                       options: set[str]) -> None:
+    """Mount ``manifest`` with the native daemon and serve until unmounted or signalled."""
+    from spokefs import _native
+
+    sc = None
+    local = source.local
+    if local is not None:  # the probe's findings go to Rust; Python's reader is not used
+        sc = {"cache_dir": str(local.cache.dir), "cache_id": local.cache.id,
+              "chunk_size": local.cache.chunk_size, "key": local._key[H_INTERNAL]}
+        local.cache.close()
+        source.local = None
+    m = manifest
+    mount = _native.Mount(
+        str(mountpoint), paths=m.paths, sizes=m.sizes, modes=m.modes, mtimes_ns=m.mtimes,
+        versions=m.versions, dirs=m.dirs, block_size=m.block_size, dataset=m.dataset,
+        snapshot=m.snapshot, base_url=source.target.base, token=client_token(),
+        deadline_s=opts.deadline, options=sorted(options), uid=os.getuid(), gid=os.getgid(),
+        created_ns=int(m.created * 1e9), short_circuit=sc)
+    dataset, snapshot = m.dataset, m.snapshot
+    del m, manifest
+    await source.close()  # the setup's HTTP clients; the daemon has its own
+    try:
+        await asyncio.to_thread(mount.start)
+    except ConfigError as exc:
+        raise ConfigError(f"{exc} (is /dev/fuse usable and fusermount3 installed?)") from exc
+    loop = asyncio.get_running_loop()
+    stopping = False
+
+    def stop() -> None:
+        nonlocal stopping
+        if not stopping:
+            stopping = True
+            log.info("signal received: unmounting %s", mountpoint)
+            try:
+                mount.unmount()
+            except ConfigError as exc:
+                log.error("%s", exc)
+
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop)
+    try:
+        # A stat that the kernel forwards to the daemon and back proves the mount answers.
+        st = await asyncio.to_thread(os.stat, mountpoint)
+        if st.st_ino != ROOT_INODE:
+            raise ConfigError(f"{mountpoint} did not come up as a spokefs mount")
+        # Only now: the kernel sets readahead from INIT, which the first request completes.
+        ra = sysfs.set_read_ahead_kb(mountpoint, opts.read_ahead_kb)
+        on_ready(f"spokefs mount ready: {dataset}@{snapshot} at {mountpoint} "
+                 f"({mount.file_count} files, {format_size(mount.total_bytes)}, engine=native, "
+                 f"read_ahead_kb={ra if ra is not None else 'unchanged'})")
+        while not await asyncio.to_thread(mount.wait, WAIT_STEP):
+            _drain(mount)
+    finally:
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.remove_signal_handler(sig)
+        if not stopping:
+            try:  # detached lazily, so busy readers cannot block this
+                mount.unmount()
+            except ConfigError as exc:
+                log.error("%s", exc)
+        await asyncio.to_thread(mount.close)
+        _drain(mount)
+        c = mount.counters()
+        log.info("unmounted %s: %d reads, %s, %d failed (native: %d from the spoke's cache "
+                 "files, %d over HTTP, %d short-circuit fallbacks)", mountpoint, c["reads"],
+                 format_size(c["read_bytes"]), c["read_errors"], c["short_circuit_reads"],
+                 c["http_reads"], c["fallbacks"])
