@@ -98,7 +98,12 @@ class Arenas:
     CPython's reference count says when the last one is gone. Buffers are tried oldest first
     (the likeliest to be free), a few per take. When none is free, a spare made ready in a
     thread is used (anonymous memory, faulted in by reading /dev/zero into it: in the kernel,
-    without the GIL), and another spare is made."""
+    without the GIL), and another spare is made.
+
+    Kept buffers are memory the process holds while idle (shared anonymous memory: RSS), so
+    ``trim`` (the spoke's housekeeping, every few seconds) gives back every free buffer and
+    spare that no take used since the trim before: a spoke that filled once and now serves
+    hits holds none, and a fill in progress keeps what it cycles through."""
 
     def __init__(self, keep_bytes: int = 192 << 20, tries: int = 8) -> None:
         self.keep_bytes = keep_bytes
@@ -108,6 +113,8 @@ class Arenas:
         self._spare: dict[int, list[mmap.mmap]] = {}
         self._making: set[int] = set()
         self._maker: ThreadPoolExecutor | None = None
+        self._used: set[int] = set()  # id() of the buffers taken since the last trim
+        self._sizes_used: set[int] = set()  # size classes whose spare was wanted since then
 
     def take(self, n: int) -> mmap.mmap:
         ring = self._ring
@@ -116,16 +123,42 @@ class Arenas:
             ring.rotate(-1)  # to the back: used now, or busy
             # 3: the deque, the local name and getrefcount's own argument.
             if len(a) >= n and sys.getrefcount(a) == 3:
+                self._used.add(id(a))
                 return a
             del a
         size = _size_class(n)
+        self._sizes_used.add(size)
         spare = self._spare.get(size)
         a = spare.pop() if spare else mmap.mmap(-1, size)
         self._make_spare(size)
         if self.kept + size <= self.keep_bytes:  # else used once and freed
             ring.append(a)
             self.kept += size
+            self._used.add(id(a))
         return a
+
+    def trim(self) -> int:
+        """Give back the free buffers and spares unused since the last trim; bytes freed."""
+        freed = 0
+        keep: collections.deque[mmap.mmap] = collections.deque()
+        while self._ring:
+            a = self._ring.popleft()
+            # 2: the local name and getrefcount's own argument (it left the deque).
+            if id(a) in self._used or sys.getrefcount(a) > 2:
+                keep.append(a)
+            else:
+                self.kept -= len(a)
+                freed += len(a)
+                a.close()
+            del a
+        self._ring = keep
+        for size in [s for s in self._spare if s not in self._sizes_used]:
+            for a in self._spare.pop(size):
+                freed += len(a)
+                a.close()
+        self._used.clear()
+        self._sizes_used.clear()
+        return freed
 
     def _make_spare(self, size: int) -> None:
         if size in self._making or self._spare.get(size):

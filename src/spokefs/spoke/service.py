@@ -289,6 +289,7 @@ class SpokeBackend:
             await asyncio.sleep(5.0)
             self.store.flush_access_times()
             self.store.retry_writable()
+            self.fetcher.arenas.trim()
             self._expire_warm_pins(time.monotonic())
             self.dataset_rules.reload_if_changed()
             await self._enforce_dataset_rules()
