@@ -42,11 +42,11 @@ def hub(dataset: Path, state_dir: Path, *extra: str) -> ServerProcess:
                          str(state_dir), *extra)
 
 
-def spoke(upstream: str, cache_dir: Path, cache_size: str = "1GiB", *extra: str
-          ) -> ServerProcess:
+def spoke(upstream: str, cache_dir: Path, cache_size: str = "1GiB", *extra: str,
+          env: dict[str, str] | None = None) -> ServerProcess:
     return ServerProcess("spoke", "serve", "--upstream", upstream, "--cache-dir",
                          str(cache_dir), "--cache-size", cache_size, "--port", "0",
-                         "--no-fsync", *extra)
+                         "--no-fsync", *extra, env=env)
 
 
 def metric(base: str, name: str, **labels: str) -> float:

@@ -392,3 +392,36 @@ def test_inventory_lists_what_the_spoke_holds(hub_server, dataset: Path, tmp_pat
                              capture_output=True, text=True, timeout=60)
         assert run.returncode == 0 and run.stdout.startswith(f"{s.url}\n"), run.stdout
         assert f"{2 + empty}/" in run.stdout
+
+
+def test_a_principal_past_its_job_rate_gets_429_before_its_body_is_read(
+        hub_server, dataset: Path, tmp_path: Path) -> None:
+    """A job's requests (orders, epochs, step reports) past the principal's burst are refused
+    with 429 and Retry-After (``wire.ratelimit``), on every worker (a replica refuses before
+    it forwards); another principal is not held back with it; and a refusal neither parses
+    the body nor reaches the planner."""
+    tokens = tmp_path / "spoke.tokens"
+    tokens.write_text("a read:ds " + "a" * 32 + "\nb read:ds " + "b" * 32 + "\n")
+    burst = 6
+    with spoke(hub_server.url, tmp_path / "cache", "1GiB", "--workers", "2", "--auth",
+               str(tokens), env={"SPOKEFS_JOB_BURST": str(burst), "SPOKEFS_JOB_RATE": "0.05"}
+               ) as s:
+        def post(token: str, body: bytes = b'{"epoch": 0}') -> urllib3.BaseHTTPResponse:
+            return urllib3.request(  # a connection each: they land on either worker
+                "POST", f"{s.url}/v1/datasets/ds/jobs/{token[0]}/epoch", body=body,
+                retries=False, headers={"Authorization": f"Bearer {token}",
+                                        "Content-Type": "application/json",
+                                        "Connection": "close"})
+
+        a, b = "a" * 32, "b" * 32
+        statuses = [post(a).status for _ in range(4 * burst)]
+        # Each worker admits a burst; none admits more (the rate adds one per 20 s).
+        assert burst <= statuses.count(200) <= 2 * burst, statuses
+        assert set(statuses) == {200, 429}, statuses
+        refused = post(a, b"not json at all")  # refused before the body is looked at
+        assert refused.status == 429
+        err = json.loads(refused.data)["error"]
+        assert err["code"] == "rate_limited" and "try again in" in err["message"]
+        assert int(refused.headers["Retry-After"]) >= 1
+        assert post(b).status == 200  # another token has its own bucket
+        assert post(b, b"not json at all").status == 400  # admitted, then its body judged

@@ -83,6 +83,18 @@ class LimitReached(SpokeError):
     code = "limit_reached"
 
 
+class RateLimited(LimitReached):
+    """A principal made more of a kind of request than its rate allows (``wire.ratelimit``);
+    ``retry_after``: the seconds until one more is admitted."""
+
+    code = "rate_limited"
+
+    def __init__(self, message: str, retry_after: float) -> None:
+        super().__init__(message)
+        self.retry_after = retry_after
+        self.details = {"retry_after": round(retry_after, 3)}
+
+
 class RangeNotSatisfiable(SpokeError):
     status = 416
     code = "range_not_satisfiable"

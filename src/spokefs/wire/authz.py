@@ -28,9 +28,17 @@ from collections.abc import Callable
 from aiohttp import web
 
 from spokefs.audit import Audit
-from spokefs.errors import BadRequest, Forbidden, LimitReached, SpokeError, Unauthorized
+from spokefs.errors import (
+    BadRequest,
+    Forbidden,
+    LimitReached,
+    RateLimited,
+    SpokeError,
+    Unauthorized,
+)
 from spokefs.wire.auth import Token, TokenFile
 from spokefs.wire.headers import H_FORWARDED, H_INTERNAL, H_PEER
+from spokefs.wire.ratelimit import TokenBuckets
 from spokefs.wire.routetable import Route, Scope, lookup
 
 INTERNAL = Token("spoke-worker", admin=False, datasets=None, internal=True)
@@ -166,6 +174,32 @@ def auth_middleware(tokens: TokenFile, internal_key: Callable[[], bytes | None] 
             raise
 
     return check
+
+
+def rate_middleware(buckets: TokenBuckets, clock: Callable[[], float] = time.monotonic
+                    ) -> Callable:
+    """A job's requests (the table's ``job`` routes) at most at the principal's rate
+    (``wire.ratelimit``), refused before the handler reads the body. Not limited: the spoke's
+    own processes and tier members, and requests a replica worker forwards over the unix
+    socket (the replica counted them)."""
+
+    @web.middleware
+    async def limit(request: web.Request, handler: Callable) -> web.StreamResponse:
+        route = route_of(request)
+        if route is None or not route.job or _on_unix_socket(request):
+            return await handler(request)
+        token: Token | None = request.get("token")
+        if token is not None and token.internal:
+            return await handler(request)
+        who = f"token {token.name!r}" if token is not None else f"client {request.remote}"
+        wait = buckets.take(who, clock())
+        if wait > 0:
+            raise RateLimited(f"{who} made more job requests (orders, epochs, step reports) "
+                              f"than {buckets.rate:g} a second after a burst of "
+                              f"{buckets.burst:g}; try again in {wait:.1f} s", wait)
+        return await handler(request)
+
+    return limit
 
 
 def admin_audit_middleware(audit: Audit) -> Callable:

@@ -17,6 +17,7 @@ import errno
 import functools
 import html
 import logging
+import math
 import os
 import time
 from collections.abc import AsyncIterator, Callable
@@ -30,13 +31,21 @@ from prometheus_client import CONTENT_TYPE_LATEST, Counter, generate_latest
 
 from spokefs import ui
 from spokefs.audit import Audit
-from spokefs.errors import BadRequest, NotFound, RangeNotSatisfiable, SpokeError, TooLarge
+from spokefs.errors import (
+    BadRequest,
+    NotFound,
+    RangeNotSatisfiable,
+    RateLimited,
+    SpokeError,
+    TooLarge,
+)
 from spokefs.manifest import FileEntry, is_snapshot_id
 from spokefs.wire.auth import TokenFile
 from spokefs.wire.authz import (
     JobOwners,
     admin_audit_middleware,
     auth_middleware,
+    rate_middleware,
     visible_metrics,
     visible_status,
     well_formed,
@@ -62,6 +71,7 @@ from spokefs.wire.headers import (
 )
 from spokefs.wire.paths import check_dataset_name, clean_path, split_dataset_ref
 from spokefs.wire.ranges import parse_range
+from spokefs.wire.ratelimit import TokenBuckets
 from spokefs.wire.routetable import Owner, bind, openapi
 
 log = logging.getLogger(__name__)
@@ -88,6 +98,8 @@ def error_response(exc: SpokeError) -> web.Response:
     resp = web.json_response(exc.to_json(), status=exc.status)
     if isinstance(exc, RangeNotSatisfiable) and exc.size >= 0:
         resp.headers["Content-Range"] = f"bytes */{exc.size}"
+    if isinstance(exc, RateLimited):
+        resp.headers["Retry-After"] = str(max(1, math.ceil(exc.retry_after)))
     return resp
 
 
@@ -638,6 +650,7 @@ def build_app(backend: Backend, handlers: dict[Owner, Any] | None = None,
     tokens = TokenFile(auth) if auth is not None else None
     if tokens is not None:
         middlewares.append(auth_middleware(tokens, internal_key, jobs, audit))
+    middlewares.append(rate_middleware(TokenBuckets()))  # inside auth: the token is known
     if audit is not None and audit.enabled:
         middlewares.append(admin_audit_middleware(audit))  # inside auth: the token is known
     app = web.Application(middlewares=middlewares, client_max_size=64 * 1024 * 1024)
