@@ -209,6 +209,18 @@ def test_snapshot_hash_ahead(s3: S3Server, tmp_path: Path) -> None:
                                       check=True, timeout=120).stdout)
     assert again["new"] is False and again["blocks_hashed"] == 0  # remembered
 
+    def digests(hub: ServerProcess) -> dict[str, object]:
+        (ds,) = json.loads(get(f"{hub.url}/v1/status")[1])["datasets"]
+        return ds["digests"]
+
+    # Status says which snapshot is bound to its digests and which trusts first reads.
+    with bucket_hub(s3, "s3://hashing/h", tmp_path / "st") as hub:
+        assert digests(hub) == {"bound": True, "blocks": 4, "first_read_blocks": 0}
+    with bucket_hub(s3, "s3://hashing/h", tmp_path / "unhashed") as hub:
+        assert digests(hub) == {"bound": False, "blocks": 4, "first_read_blocks": 4}
+        assert get(f"{hub.url}/h/a")[1] == rnd(2 * BS + 1, 41)  # reading records them
+        assert digests(hub) == {"bound": False, "blocks": 4, "first_read_blocks": 1}
+
 
 def test_overwrite_under_pinned_snapshot_is_410(s3: S3Server, tmp_path: Path) -> None:
     old, new = rnd(3 * BS, 11), rnd(3 * BS, 12)

@@ -240,6 +240,7 @@ class BucketBackend(PublishedSnapshots):
         self._flying: dict[tuple[str, int], asyncio.Task[memoryview]] = {}
         self._pending: list[tuple[str, int, bytes]] = []
         self._flusher: asyncio.Task[None] | None = None
+        self._bound_memo: tuple[str, int, dict[str, object]] | None = None
         self.gone = Counter("spokefs_hub_versions_gone", "Reads of versions no longer in the "
                             "bucket as snapshotted", registry=self.registry)
         self.origin_gets = Counter("spokefs_hub_origin_gets", "Ranged GETs sent to the bucket",
@@ -398,7 +399,28 @@ class BucketBackend(PublishedSnapshots):
         snaps = self.st.snapshots()
         return {"role": self.role, "datasets": [{
             "name": self.st.name, "root": self.st.root, "snapshots": len(snaps),
-            "latest": snaps[-1].to_json() if snaps else None}]}
+            "latest": snaps[-1].to_json() if snaps else None,
+            "digests": self._bound(snaps[-1].id) if snaps else None}]}
+
+    def _bound(self, snap_id: str) -> dict[str, object]:
+        """How much of a snapshot's blocks have their digest recorded: a block without one
+        takes as its truth what the bucket holds when it is first read (docs/s3.md,
+        "Digests"); ``bound`` once every block has one (``hub snapshot --hash``). Counted
+        again only when the snapshot or the number of recorded digests changed."""
+        known = len(self.st.digests)
+        if self._bound_memo is not None and self._bound_memo[:2] == (snap_id, known):
+            return self._bound_memo[2]
+        m = Manifest.decode(self.st.manifest_path(snap_id).read_bytes())
+        bs, digests = self.st.block_size, self.st.digests
+        blocks = unbound = 0
+        for v, size in zip(m.versions, m.sizes, strict=True):
+            n = integrity.block_count(size, bs)
+            blocks += n
+            unbound += sum((v, i) not in digests for i in range(n))
+        doc: dict[str, object] = {"bound": unbound == 0, "blocks": blocks,
+                                  "first_read_blocks": unbound}
+        self._bound_memo = (snap_id, known, doc)
+        return doc
 
 
 # -- hashing ahead -------------------------------------------------------------------------
