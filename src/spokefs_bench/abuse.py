@@ -22,18 +22,21 @@ import argparse
 import asyncio
 import gzip
 import json
+import multiprocessing
 import os
 import random
 import shutil
 import socket
 import threading
 import time
+from concurrent.futures import Future, ProcessPoolExecutor
 from pathlib import Path
 from typing import Any
 
 from spokefs.procs import Service, hub_args, spoke_args
 from spokefs.units import parse_size
 from spokefs_bench.common import machine, percentile, table, write_json
+from spokefs_bench.dataplane import tree_cpu_s
 
 GOALS = {
     "spoke_peak_rss_mib <= 512": ("spoke_peak_rss_mib", 512.0),
@@ -41,6 +44,18 @@ GOALS = {
     "abandoned_link_bytes <= 64 MiB": ("abandoned_link_bytes", float(64 << 20)),
     "server_errors == 0": ("server_errors", 0.0),
 }
+
+
+CASES = ("slow", "abandoned", "malformed", "memory")
+
+
+def _cases(text: str) -> tuple[str, ...]:
+    chosen = tuple(c for c in text.split(",") if c)
+    unknown = sorted(set(chosen) - set(CASES))
+    if unknown:
+        raise argparse.ArgumentTypeError(f"unknown case(s) {', '.join(unknown)}: choose from "
+                                         f"{', '.join(CASES)}")
+    return chosen
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -56,6 +71,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--readers", type=int, default=4, help="ordinary reader threads (4)")
     p.add_argument("--batch-crowd", type=int, default=16,
                    help="slow batch reads of 64 MiB each at once (default 16)")
+    p.add_argument("--cases", type=_cases, default=",".join(CASES), metavar="A,B,...",
+                   help=f"which hostile cases run beside the readers (default: all of "
+                        f"{','.join(CASES)}); one at a time says what each costs")
     p.set_defaults(func=run)
 
 
@@ -103,6 +121,41 @@ class Errors:
                 self.server += 1
                 if len(self.samples) < 10:
                     self.samples.append(f"{status} {what}")
+
+
+def _ordinary_apart(base: str, names: list[str], readers: int, seconds: float
+                    ) -> tuple[list[float], int, list[str], float]:
+    """``_ordinary`` in a process of its own (``ReadersApart``): latencies, 5xx count and
+    samples, and the CPU-seconds it took."""
+    errors = Errors()
+    cpu = time.process_time()
+    lat = _ordinary(base, names, readers, seconds, errors)
+    return lat, errors.server, errors.samples, time.process_time() - cpu
+
+
+class ReadersApart:
+    """The ordinary readers in a process of their own, so that the attackers' threads here
+    (a tight loop of refused requests, say) do not take their interpreter lock: their
+    latency is then the servers', not this process's. One process, reused for both phases."""
+
+    def __init__(self) -> None:
+        self.pool = ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn"))
+        self.cpu_s = 0.0  # the last phase's
+
+    def start(self, base: str, names: list[str], readers: int, seconds: float
+              ) -> Future[tuple[list[float], int, list[str], float]]:
+        return self.pool.submit(_ordinary_apart, base, names, readers, seconds)
+
+    def result(self, fut: Future[tuple[list[float], int, list[str], float]], errors: Errors
+               ) -> list[float]:
+        lat, server, samples, self.cpu_s = fut.result()
+        with errors.lock:
+            errors.server += server
+            errors.samples.extend(samples[:max(0, 10 - len(errors.samples))])
+        return lat
+
+    def close(self) -> None:
+        self.pool.shutdown()
 
 
 def _ordinary(base: str, names: list[str], readers: int, seconds: float, errors: Errors
@@ -235,7 +288,15 @@ def _malformed(base: str, names: list[str], seconds: float, errors: Errors) -> i
 
 
 def _batch_hog(host: str, port: int, body: bytes, seconds: float) -> int:
-    """POST a batch read and take its answer at 1 MiB/s for ``seconds``; the status."""
+    """POST a batch read and take its answer at 1 MiB/s for ``seconds``; the status (0: it
+    waited its turn for the spoke's batch room past the socket's 30 s)."""
+    try:
+        return _batch_hog_once(host, port, body, seconds)
+    except TimeoutError:
+        return 0
+
+
+def _batch_hog_once(host: str, port: int, body: bytes, seconds: float) -> int:
     with socket.create_connection((host, port), timeout=30) as s:
         s.sendall(f"POST /v1/datasets/ds/blocks HTTP/1.1\r\nHost: x\r\nContent-Type: "
                   f"application/json\r\nContent-Length: {len(body)}\r\n\r\n".encode() + body)
@@ -318,7 +379,8 @@ def run(args: argparse.Namespace) -> int:
                     env={"SPOKEFS_IDLE_TIMEOUT": "10"}) as spoke:
         assert hub.proc is not None and spoke.proc is not None
         SpokeControl(f"{spoke.url}/ds").warm(prefix="small/", wait=True, progress=False)
-        idle = _ordinary(spoke.url, names, args.readers, args.seconds, errors)
+        apart = ReadersApart()
+        idle = apart.result(apart.start(spoke.url, names, args.readers, args.seconds), errors)
         print(f"idle: {len(idle)} reads, p99 {percentile(idle, 99) * 1e3:.2f} ms", flush=True)
 
         upstream_before = _metric(spoke.url, "spokefs_upstream_bytes_total")
@@ -336,10 +398,14 @@ def run(args: argparse.Namespace) -> int:
         def hostile() -> None:
             async def main() -> None:
                 stop_slow = asyncio.Event()
-                slow = asyncio.create_task(
-                    _slow_clients(host, int(port), args.slow_clients, stop_slow))
-                side["abandoned"] = await _abandoned(host, int(port), "large.bin",
-                                                     args.seconds / 2)
+                slow = asyncio.create_task(_slow_clients(
+                    host, int(port), args.slow_clients if "slow" in args.cases else 0,
+                    stop_slow))
+                if "abandoned" in args.cases:
+                    side["abandoned"] = await _abandoned(host, int(port), "large.bin",
+                                                         args.seconds / 2)
+                else:
+                    await asyncio.sleep(args.seconds / 2)
                 side["upstream_at_leave"] = _metric(spoke.url, "spokefs_upstream_bytes_total")
                 await asyncio.sleep(args.seconds / 2)
                 stop_slow.set()
@@ -347,17 +413,29 @@ def run(args: argparse.Namespace) -> int:
 
             asyncio.run(main())
 
-        threads = [threading.Thread(target=sample), threading.Thread(target=hostile),
-                   threading.Thread(target=lambda: side.__setitem__(
-                       "malformed", _malformed(spoke.url, names, args.seconds, errors))),
-                   threading.Thread(target=lambda: side.__setitem__(
-                       "memory", _memory_hogs(spoke.url, args.seconds, args.batch_crowd,
-                                              errors)))]
+        threads = [threading.Thread(target=sample)]
+        if {"slow", "abandoned"} & set(args.cases):
+            threads.append(threading.Thread(target=hostile))
+        if "malformed" in args.cases:
+            threads.append(threading.Thread(target=lambda: side.__setitem__(
+                "malformed", _malformed(spoke.url, names, args.seconds, errors))))
+        if "memory" in args.cases:
+            threads.append(threading.Thread(target=lambda: side.__setitem__(
+                "memory", _memory_hogs(spoke.url, args.seconds, args.batch_crowd, errors))))
+        # CPU-seconds of every process, over the loaded phase: the attackers run on the same
+        # cores as the servers here, so what they cost is part of what the readers see.
+        cpu0 = (tree_cpu_s(spoke.proc.pid), tree_cpu_s(hub.proc.pid), time.process_time())
+        loading = apart.start(spoke.url, names, args.readers, args.seconds)
         for t in threads:
             t.start()
-        loaded = _ordinary(spoke.url, names, args.readers, args.seconds, errors)
+        loaded = apart.result(loading, errors)
+        apart.close()
         for t in threads[1:]:
             t.join()
+        cpu1 = (tree_cpu_s(spoke.proc.pid), tree_cpu_s(hub.proc.pid), time.process_time())
+        cpu = {k: round(b - a, 2) for k, a, b in zip(("spoke", "hub", "attackers"), cpu0, cpu1,
+                                                       strict=True)}
+        cpu["readers"] = round(apart.cpu_s, 2)
         end = time.monotonic() + 30  # what was asked before the reader left, arriving
         while _metric(spoke.url, "spokefs_upstream_inflight") and time.monotonic() < end:
             time.sleep(0.1)
@@ -379,6 +457,7 @@ def run(args: argparse.Namespace) -> int:
         "server_errors": errors.server, "server_error_samples": errors.samples,
         "malformed_requests": side.get("malformed"), "slow": side.get("slow"),
         "memory_hogs": side.get("memory"),
+        "loaded_cpu_s": cpu,
     }
     goals = [{"goal": g, "value": results[k], "met": results[k] is not None
               and results[k] <= limit} for g, (k, limit) in GOALS.items()]
@@ -387,11 +466,12 @@ def run(args: argparse.Namespace) -> int:
            "load_average_after": [round(x, 2) for x in os.getloadavg()],
            "params": {"slow_clients": args.slow_clients, "large_size": args.large_size,
                       "seconds": args.seconds, "readers": args.readers,
-                      "batch_crowd": args.batch_crowd},
+                      "batch_crowd": args.batch_crowd, "cases": list(args.cases)},
            "results": results, "goals": goals}
     path = write_json(out, doc)
     print(table([[k, v] for k, v in results.items() if not isinstance(v, (list, dict))],
                 ["figure", "value"]))
+    print("CPU-seconds in the loaded phase: " + ", ".join(f"{k} {v}" for k, v in cpu.items()))
     for g in goals:
         print(f"{'MET ' if g['met'] else 'MISS'} {g['goal']}: {g['value']}")
     print(f"wrote {path}")
