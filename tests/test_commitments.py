@@ -156,3 +156,42 @@ def test_a_digest_list_must_make_its_version_id() -> None:
     listing = DatasetInfo("b", BS, None, content_ids=False)  # a bucket's: nothing to check
     assert Commitments(lambda name: listing, never, never).verdict(  # type: ignore[arg-type]
         "b", (small, 0), one, 5) is True
+
+
+def test_a_hostile_tier_member_never_gets_a_byte_kept_or_served(tmp_path: Path) -> None:
+    """Member A believes its fellow member is at a proxy's address; the proxy passes A's
+    batch reads to the real member B and, in flip mode, changes a byte of every block and
+    writes a digest that matches the change. A checks what it gets from a member against
+    what the version commits to, as it does the upstream's: every answer its readers get is
+    the dataset's or an error, nothing of the lies is kept, and once the hop is honest every
+    byte is right."""
+    ds = make_dataset(tmp_path / "ds", n_small=12, small_size=50_000,
+                      big_sizes=(5 * BS + 1000,))
+    from test_tier import free_port  # a port each member names itself by
+
+    pa, pb = free_port(), free_port()
+    a, b = f"http://127.0.0.1:{pa}", f"http://127.0.0.1:{pb}"
+    with hub(ds, tmp_path / "hubstate", "--block-size", "256KiB") as h, \
+            spoke(h.url, tmp_path / "cache-b", "64MiB", "--port", str(pb), "--workers", "1",
+                  "--tier", f"{a},{b}", "--no-prefetch"), \
+            TamperingProxy(b) as proxy, \
+            spoke(h.url, tmp_path / "cache-a", "64MiB", "--port", str(pa), "--workers", "1",
+                  "--tier", f"{a},{proxy.url}", "--tier-timeout", "3s", "--deadline", "10s",
+                  "--no-prefetch", "--no-tier-copies") as sa:
+        http = urllib3.PoolManager(retries=False, timeout=30)
+        names = sorted(str(p.relative_to(ds)) for p in ds.rglob("*") if p.is_file())
+        proxy.flip = True
+        served = 0
+        for name in names:
+            try:
+                r = http.request("GET", f"{sa.url}/ds/{name}")
+            except urllib3.exceptions.ProtocolError:
+                continue  # cut mid-body: the reader learns the read failed
+            assert r.status >= 500 or r.data == (ds / name).read_bytes(), (name, r.status)
+            served += r.status == 200
+        assert proxy.flipped > 0  # the member was asked, and lied
+        assert metric(sa.url, "spokefs_integrity_failures_total") > 0
+        proxy.flip = False
+        for name in names:
+            r = http.request("GET", f"{sa.url}/ds/{name}")
+            assert r.status == 200 and r.data == (ds / name).read_bytes(), name
