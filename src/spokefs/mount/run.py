@@ -17,19 +17,19 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-
-import pyfuse3
-import pyfuse3.asyncio
+from typing import TYPE_CHECKING
 
 from spokefs.errors import ConfigError, ReadFailed, UpstreamUnavailable
 from spokefs.mount import sysfs
 from spokefs.mount.coalesce import Coalescer
-from spokefs.mount.fs import SnapshotFS
 from spokefs.mount.inodes import InodeTable
 from spokefs.mount.native import choose, serve_native
 from spokefs.mount.process import unmount
 from spokefs.mount.source import EmbeddedSource, Source, Target, UpstreamSource
 from spokefs.units import format_size
+
+if TYPE_CHECKING:
+    from spokefs.mount.fs import SnapshotFS
 
 log = logging.getLogger(__name__)
 
@@ -91,8 +91,8 @@ def clear_stale(mountpoint: Path) -> None:
 
 
 async def serve(opts: MountOptions, on_ready: Callable[[str], None]) -> None:
-    """Mount and serve until unmounted or signalled; ``on_ready(message)`` once usable."""
-    pyfuse3.asyncio.enable()
+    """Mount and serve until unmounted or signalled; ``on_ready(message)`` once usable.
+    pyfuse3 is imported by the python engine only: the native engine needs none of it."""
     mountpoint = opts.mountpoint.absolute()
     clear_stale(mountpoint)
     engine = choose(opts)
@@ -114,6 +114,11 @@ async def serve(opts: MountOptions, on_ready: Callable[[str], None]) -> None:
             await serve_native(opts, mountpoint, source, held.pop(), on_ready,
                                fuse_options(opts))
             return
+        import pyfuse3.asyncio
+
+        from spokefs.mount.fs import SnapshotFS
+
+        pyfuse3.asyncio.enable()
         table = InodeTable(manifest)
         del manifest  # the table keeps the columns it needs
         # Fetch in blocks of the dataset, but no more than 4 MiB at a time (a dataset with
@@ -129,6 +134,8 @@ async def serve(opts: MountOptions, on_ready: Callable[[str], None]) -> None:
 
 async def _serve_fuse(opts: MountOptions, mountpoint: Path, ops: SnapshotFS,
                       on_ready: Callable[[str], None]) -> None:
+    import pyfuse3
+
     loop = asyncio.get_running_loop()
     try:
         pyfuse3.init(ops, str(mountpoint), fuse_options(opts))
