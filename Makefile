@@ -26,6 +26,13 @@ $(STAMP): pyproject.toml scripts/install-system-deps.sh $(NATIVE_SRC)
 demo: $(STAMP)
 	$(BIN)/spokefs demo
 
+# Every peer the benchmarks compare with (a missing one fails them, docs/race.md): rclone, a
+# Debian package, and fsspec's HTTP filesystem (fsspec and aiohttp, spokefs's own dependencies).
+.PHONY: bench-deps
+bench-deps: $(STAMP)
+	SPOKEFS_PEERS=1 ./scripts/install-system-deps.sh
+	$(BIN)/python -c "import aiohttp, fsspec"
+
 test: $(STAMP)
 	$(BIN)/ruff check src tests
 	$(CARGO) test --workspace --locked

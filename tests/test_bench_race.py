@@ -85,7 +85,7 @@ def test_missing_tool_is_skipped_with_a_note(tmp_path: Path) -> None:
     try:
         doc = run(tmp_path / "out", "--work-dir", str(tmp_path / "work"),
                   "--tools", "local,rclone", "--datasets", "small", "--readers", "1",
-                  "--no-walk", *TINY[:-5])
+                  "--no-walk", "--allow-missing-peers", *TINY[:-5])
     finally:
         os.environ["PATH"] = env_path
     assert {r["tool"] for r in doc["results"]} == {"local"}

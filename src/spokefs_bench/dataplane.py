@@ -39,7 +39,7 @@ from urllib.parse import quote
 from spokefs.integrity import DEFAULT_BLOCK_SIZE, block_count
 from spokefs.procs import Service, hub_args, spoke_args
 from spokefs.units import format_size, parse_size
-from spokefs_bench.common import have_matplotlib, machine, table, write_json
+from spokefs_bench.common import Figure, add_repeat, have_matplotlib, machine, table, write_json
 
 GOALS = {  # issue 10's goals on a 2-core machine
     "small fill_blocks_per_s >= 5000": ("small", "fill_blocks_per_s", 5000, ">="),
@@ -80,6 +80,26 @@ def register(sub: argparse._SubParsersAction) -> None:
                    "checkout of another commit), right after this one: an A/B in one run")
     p.add_argument("--seed", type=int, default=1)
     p.set_defaults(func=run)
+    add_repeat(p, headlines)
+
+
+HEADLINES = ("fill_blocks_per_s", "fill_GBps", "spoke_cpu_s_per_GiB", "blocks_per_spoke_cpu_s",
+             "loop_lag_p99_ms")
+
+
+def headlines(doc: dict[str, Any]) -> dict[str, Figure]:
+    """The figures ``--repeat`` summarises: each dataset's fill figures (against their goal
+    where there is one) and the hit rate."""
+    targets = {(ds, key): target for ds, key, target, _ in GOALS.values()}
+    out: dict[str, Figure] = {}
+    for name, r in doc.get("results", {}).items():
+        for key in HEADLINES:
+            out[f"{name}.{key}"] = Figure(r.get(key), targets.get((name, key)))
+        hit = next((p for p in r.get("phases", []) if p["phase"] == "hit"
+                    and p["variant"] == "this"), None)
+        if hit:
+            out[f"{name}.hit_blocks_per_s"] = Figure(hit["blocks_per_s"])
+    return out
 
 
 # -- datasets --------------------------------------------------------------------------------
@@ -575,7 +595,7 @@ def _run(args: argparse.Namespace, names: list[str], workers: list[int], work: P
         value = results.get(ds, {}).get(key)
         if value is None:
             continue
-        goals.append({"goal": label, "value": value,
+        goals.append({"goal": label, "value": value, "target": target,
                       "met": value >= target if op == ">=" else value <= target})
     doc = {"params": {"datasets": names, "small_files": args.small_files,
                       "small_size": args.small_size, "small_dirs": args.small_dirs,

@@ -69,8 +69,30 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--variants", default="sc,http",
                    help="ways the mount reads, comma-separated: sc (short circuit, the "
                    "default mount), http (--no-short-circuit); default sc,http")
+    p.add_argument("--spoke-arg", action="append", default=[], metavar="ARG",
+                   help="extra argument for `spokefs spoke serve`, e.g. --spoke-arg=--workers "
+                   "--spoke-arg=4 (repeatable)")
     p.add_argument("--seed", type=int, default=1)
     p.set_defaults(func=run)
+    from spokefs_bench.common import add_repeat
+
+    add_repeat(p, headlines)
+
+
+def headlines(doc: dict[str, Any]) -> dict[str, Any]:
+    """``--repeat``'s figures: per reader and state, seq GB/s and rand p99 (against their goal
+    for the mount) and small files/s (the mount's against direct's)."""
+    from spokefs_bench.common import Figure
+
+    out = {}
+    for name in ("mount", "mount_http", "direct"):
+        for state, r in doc.get(name, {}).items():
+            k, mine = f"{name}/{state}", name != "direct"
+            for f in ("seq_GBps", "rand_128KiB_p99_ms"):
+                out[f"{k}.{f}"] = Figure(r[f], GOALS[f] if mine else None)
+            out[f"{k}.small_files_per_s"] = Figure(
+                r["small_files_per_s"], f"direct/{state}.small_files_per_s" if mine else None)
+    return out
 
 
 @dataclass
@@ -302,7 +324,7 @@ def run(args: argparse.Namespace) -> int:
         return [mp / p.relative_to(data) for p in paths]
 
     with Service(hub_args(data, work / "hubstate")) as hub, \
-            Service(spoke_args(hub.url, cache, cache_size)) as spoke:
+            Service(spoke_args(hub.url, cache, cache_size, 0, *args.spoke_arg)) as spoke:
         assert spoke.proc is not None
         for v in variants:
             flags = [*extra, *(["--no-short-circuit"] if v == "http" else [])]
@@ -349,7 +371,8 @@ def run(args: argparse.Namespace) -> int:
                    "readers": args.readers, "seq_read_bytes": SEQ_READ,
                    "rand_read_bytes": RAND_READ, "random_reads": args.random_reads,
                    "read_ahead_kb": read_ahead, "page_cache_drop": method,
-                   "variants": variants, "upstream": "spoke process on 127.0.0.1"},
+                   "variants": variants, "upstream": "spoke process on 127.0.0.1",
+                   "spoke_args": args.spoke_arg},
         "goals": {**GOALS, **{f"{k} mount/direct": v for k, v in RATIO_GOALS.items()}},
     }
     for name, phases in results.items():

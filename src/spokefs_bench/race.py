@@ -22,7 +22,9 @@ Per tool also: a cold ``os.walk`` + ``stat`` of every file of ``small``. The lin
 seconds of every process involved are read from /proc. The floor of a cold epoch is what
 the link allows: dataset bytes / bandwidth + one round trip.
 
-A tool that is not installed is skipped with a note. Every epoch has a deadline: a tool that
+A peer that is not installed (rclone, fsspec) is an error before anything runs, naming what
+to install; with ``--allow-missing-peers`` it is skipped with a note and a MISSING row. Every
+epoch has a deadline: a tool that
 passes it is recorded as timed out (seconds = the deadline, ``files_done``) and its warm epoch
 is not run. Nothing here drops the machine's page cache (other work shares the machine).
 """
@@ -40,6 +42,7 @@ import re
 import shutil
 import signal
 import subprocess
+import sys
 import threading
 import time
 import urllib.request
@@ -50,11 +53,18 @@ from typing import Any
 from urllib.parse import quote, urljoin, urlsplit
 
 from spokefs.units import format_size, parse_duration, parse_rate, parse_size
-from spokefs_bench.common import BenchTokens
+from spokefs_bench.common import (
+    BenchTokens,
+    Figure,
+    add_allow_missing_peers,
+    add_repeat,
+    missing_peer,
+)
 
 TOOLS = ["local", "spokefs", "spokefs_hints", "rclone", "fsspec_simplecache", "http_direct"]
 DATASETS = ["shards", "small"]
 MOUNT_TOOLS = {"spokefs", "spokefs_hints", "rclone"}
+PEERS = {"rclone": "rclone", "fsspec_simplecache": "fsspec"}  # tool -> common.PEER_PACKAGES
 # Cases that pay a round trip (or more) per file with one reader: minutes each at full size.
 SLOW = {("rclone", "small", 1), ("fsspec_simplecache", "small", 1), ("http_direct", "small", 1)}
 SLOW_WALKS = {"fsspec_simplecache", "http_direct"}  # one HEAD per file, one at a time
@@ -124,7 +134,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--no-tokens", action="store_true",
                    help="hub and spoke without --auth (default: with tokens, as deployed; "
                    "every tool presents one)")
+    add_allow_missing_peers(p)
     p.set_defaults(func=run)
+    add_repeat(p, headlines)
 
 
 # -- parameters and datasets ------------------------------------------------------------------
@@ -718,6 +730,7 @@ class Race:
     setups: list[dict[str, Any]] = field(default_factory=list)
     diagnostics: list[dict[str, Any]] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
+    missing: dict[str, str] = field(default_factory=dict)  # peers that could not run: why
 
     def log(self, msg: str) -> None:
         print(msg, flush=True)
@@ -893,6 +906,9 @@ class Race:
         tools = []
         for name in p.tools:
             why = TOOL_CLASSES[name].missing()
+            if why and name in PEERS:
+                why = missing_peer(PEERS[name], why)
+                self.missing[name] = why
             if why:
                 self.notes.append(f"{name} skipped: {why}")
                 self.log(f"skipping {name}: {why}")
@@ -960,26 +976,46 @@ def summarize(doc: dict[str, Any]) -> tuple[list[list[Any]], list[str], list[dic
             ratio = r["seconds"] / floors[r["dataset"]]
             goals.append({"goal": f"{r['tool']} {r['dataset']} {r['readers']}r cold <= "
                           f"{GOALS[key]}x floor", "value": round(ratio, 3),
-                          "met": ok and ratio <= GOALS[key]})
+                          "target": GOALS[key], "met": ok and ratio <= GOALS[key]})
             b = r["link_bytes"] / sizes[r["dataset"]]
             goals.append({"goal": f"{r['tool']} {r['dataset']} {r['readers']}r cold link bytes "
                           f"<= {BYTES_GOAL}x data", "value": round(b, 4),
-                          "met": ok and b <= BYTES_GOAL})
+                          "target": BYTES_GOAL, "met": ok and b <= BYTES_GOAL})
         elif r["epoch"] == "warm":
             loc = local.get((r["dataset"], r["readers"], "warm"))
             if loc:
                 ratio = r["seconds"] / loc
                 goals.append({"goal": f"{r['tool']} {r['dataset']} {r['readers']}r warm <= "
                               f"{WARM_GOAL}x local", "value": round(ratio, 2),
-                              "met": ok and ratio <= WARM_GOAL})
+                              "target": WARM_GOAL, "met": ok and ratio <= WARM_GOAL})
             b = r["link_bytes"] / sizes[r["dataset"]]
             goals.append({"goal": f"{r['tool']} {r['dataset']} {r['readers']}r warm link bytes "
-                          "~0 (<= 1%)", "value": round(b, 4), "met": ok and b <= 0.01})
+                          "~0 (<= 1%)", "value": round(b, 4), "target": 0.01,
+                          "met": ok and b <= 0.01})
         elif r["epoch"] == "walk":
             rts = r["seconds"] / doc["params"]["rtt_s"]
             goals.append({"goal": f"{r['tool']} walk+stat of small: a handful of round trips "
-                          "(<= 5)", "value": round(rts, 1), "met": ok and rts <= 5})
+                          "(<= 5)", "value": round(rts, 1), "target": 5,
+                          "met": ok and rts <= 5})
+    for tool in doc.get("missing_peers", {}):
+        rows.append([tool, "MISSING", *[""] * (len(header) - 2)])
     return rows, header, goals
+
+
+def headlines(doc: dict[str, Any]) -> dict[str, Figure]:
+    """The figures ``--repeat`` summarises: each epoch's and walk's seconds (a peer's against
+    spokefs's on the same case; None when it timed out or failed), and each goal's value
+    against its target."""
+    out: dict[str, Figure] = {}
+    for r in doc.get("results", []):
+        case = f"{r['dataset']}/{r['readers']}r/{r['epoch']}"
+        ok = not r["timed_out"] and not r["error"]
+        out[f"{r['tool']}/{case}.seconds"] = Figure(
+            r["seconds"] if ok else None,
+            f"spokefs/{case}.seconds" if r["tool"] in PEERS else None)
+    for g in doc.get("goals", []):
+        out[f"goal {g['goal']}"] = Figure(g["value"], g.get("target"))
+    return out
 
 
 def plot(doc: dict[str, Any], path: Path) -> None:
@@ -1053,6 +1089,14 @@ def run(args: argparse.Namespace) -> int:
     work = (args.work_dir or out / "work").absolute()
     work.mkdir(parents=True, exist_ok=True)
     race = Race(p, work)
+    missing = {t: missing_peer(PEERS[t], why) for t in p.tools
+               if t in PEERS and (why := TOOL_CLASSES[t].missing())}
+    if missing and not args.allow_missing_peers:
+        for t, why in missing.items():
+            print(f"spokefs bench race: peer {t} cannot run: {why}", file=sys.stderr)
+        print("spokefs bench race: not racing without the peers (--allow-missing-peers to "
+              "run without them; their rows say MISSING)", file=sys.stderr)
+        return 2
     load0 = os.getloadavg()
     t0 = time.time()
     race.log(f"race: tools {','.join(p.tools)}; datasets {','.join(p.datasets)}; readers "
@@ -1078,6 +1122,7 @@ def run(args: argparse.Namespace) -> int:
         "setup": race.setups,
         "diagnostics": race.diagnostics,
         "notes": race.notes,
+        "missing_peers": race.missing,
         "machine": machine(),
         "code": code_version(),
         "load_avg": [round(x, 2) for x in os.getloadavg()],

@@ -7,14 +7,17 @@ from __future__ import annotations
 
 import argparse
 from pathlib import Path
+from typing import Any
 
 from spokefs.units import parse_duration, parse_rate, parse_size
 from spokefs.wan.cli import _arg
+from spokefs_bench.common import Figure, add_allow_missing_peers, add_repeat
 
 TRAIN_DOC = """\
 Train with a real PyTorch DataLoader (workers > 0) on a synthetic dataset, the accelerator
-emulated MLPerf-Storage style (a fixed sleep per batch, or --model for a tiny CNN on the CPU),
-once per scenario on the same data and loop:
+emulated MLPerf-Storage style (a fixed sleep per batch, or --model for a tiny CNN on the CPU,
+or --model resnet50 --device cuda for a real model on a GPU), once per scenario on the same
+data and loop:
 
   local               the hub on this host, no link (ranged GETs to the hub)
   remote_direct       over the emulated link to the hub, one ranged GET per sample, no cache
@@ -28,6 +31,9 @@ Append @narrow (or @wide) to a remote scenario to pick its link. Every sample is
 against its source digest. Writes DIR/results.json, DIR/timeline.csv, DIR/timeline.png and
 DIR/summary.png, and prints a table. Definitions: docs/benchmark.md.
 """
+
+
+ARCHS = ("tiny", "resnet50")  # training.loop.ARCH_SHAPES, without importing torch here
 
 
 def _csv(text: str) -> tuple[str, ...]:
@@ -56,8 +62,14 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--compute", type=_arg(parse_duration), default=0.1, metavar="DURATION",
                    help="emulated accelerator time per batch (default 100ms: with the "
                    "defaults 160 samples/s, 16 MB/s)")
-    p.add_argument("--model", action="store_true",
-                   help="a real tiny CNN step on the CPU instead of the sleep")
+    p.add_argument("--model", nargs="?", const="tiny", default=None, choices=ARCHS,
+                   metavar="NAME",
+                   help="a real training step instead of the sleep: alone, a tiny CNN on the "
+                   "CPU; resnet50: torchvision's ResNet-50 (random weights, each sample's "
+                   "bytes cropped or padded to a 3x224x224 image, bf16 on CUDA; needs "
+                   "torchvision)")
+    p.add_argument("--device", default="cpu",
+                   help="where --model resnet50 trains: cpu, cuda, cuda:N (default cpu)")
     p.add_argument("--seed", type=int, default=0, help="data and shuffle seed (default 0)")
     p.add_argument("--rtt", type=_arg(parse_duration), default=0.06, metavar="DURATION",
                    help="link round trip (default 60ms)")
@@ -85,7 +97,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--origin", choices=("dir", "s3"), default="dir",
                    help="what the hub serves: dir (the dataset's folder) or s3 (a bucket of "
                    "a local S3 server, moto; docs/s3.md)")
+    add_allow_missing_peers(p)
     p.set_defaults(func=_train)
+    add_repeat(p, _headlines)
 
     s = sub.add_parser("seed", help="the reference experiment at small scale (a few minutes)",
                        description="The reference experiment, small: 800 files of ~100 KB in "
@@ -93,13 +107,21 @@ def register(sub: argparse._SubParsersAction) -> None:
                        "remote_spoke on a narrow link (about 4 minutes on 2 cores). --quick: "
                        "320 files, no local_http (about 2 minutes).")
     s.add_argument("--out", type=Path, required=True, metavar="DIR", help="output folder")
-    s.add_argument("--quick", action="store_true", help="the small version (400 files)")
+    s.add_argument("--quick", action="store_true", help="the small version (320 files)")
     s.add_argument("--no-progress", action="store_true", help="no progress bars")
     s.add_argument("--origin", choices=("dir", "s3"), default="dir",
                    help="what the hub serves: dir (the dataset's folder; the default) or s3 "
                    "(the dataset put in a bucket of a local S3 server, moto, and a hub over "
                    "the bucket, behind the same link)")
+    add_allow_missing_peers(s)
     s.set_defaults(func=_seed)
+    add_repeat(s, _headlines)
+
+
+def _headlines(doc: dict[str, Any]) -> dict[str, Figure]:
+    from spokefs_bench.training.run import headlines
+
+    return headlines(doc)
 
 
 def _train(args: argparse.Namespace) -> int:
@@ -111,12 +133,14 @@ def _train(args: argparse.Namespace) -> int:
         scenarios=args.scenarios or ALL_SCENARIOS, samples=args.samples,
         sample_size=args.sample_size, classes=args.classes, shard_size=args.shard_size,
         loop=LoopConfig(epochs=args.epochs, batch_size=args.batch_size, workers=args.workers,
-                        compute_s=args.compute, model=args.model, seed=args.seed),
+                        compute_s=args.compute, model=args.model is not None, seed=args.seed,
+                        arch=args.model or "tiny", device=args.device),
         rtt=args.rtt, bandwidth=args.bandwidth, narrow_bandwidth=args.narrow_bandwidth,
         link=args.link, cache_size=args.cache_size, spoke_reader=args.spoke_reader,
         stage_inflight=args.stage_inflight, price_per_gb=args.price_per_gb,
         gpu_hour_price=args.gpu_hour_price, data_dir=args.data_dir,
-        progress=not args.no_progress, origin=args.origin)
+        progress=not args.no_progress, origin=args.origin,
+        allow_missing_peers=args.allow_missing_peers)
     run_train(cfg)
     return 0
 
@@ -124,5 +148,6 @@ def _train(args: argparse.Namespace) -> int:
 def _seed(args: argparse.Namespace) -> int:
     from spokefs_bench.training.run import run_seed
 
-    run_seed(args.out, quick=args.quick, progress=not args.no_progress, origin=args.origin)
+    run_seed(args.out, quick=args.quick, progress=not args.no_progress, origin=args.origin,
+             allow_missing_peers=args.allow_missing_peers)
     return 0

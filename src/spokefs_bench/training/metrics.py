@@ -17,6 +17,9 @@ from dataclasses import dataclass
 WINDOW = 20            # batches in the rolling AU window
 STEADY_AU = 0.95       # the rolling AU a warm run never drops below
 STALL_SHARE = 0.02     # a batch stalls when its data wait exceeds this share of its compute
+# A scenario has warmed up once its rolling AU stays within this many AU points of the
+# co-located run's at the same batch index (a dip both have is the loop's, not the data's).
+LOCAL_MARGIN = 0.05
 
 
 @dataclass(frozen=True, slots=True)
@@ -124,6 +127,26 @@ def warmup(timeline: Sequence[Batch], window: int = WINDOW,
     return last_bad + 1, True
 
 
+def warmup_vs(timeline: Sequence[Batch], reference: Sequence[Batch], window: int = WINDOW,
+              margin: float = LOCAL_MARGIN) -> tuple[int, bool]:
+    """(warmup_batches_vs_local, warmed_up_vs_local): the smallest batch index b such that
+    every ``window``-batch window starting at b or later has a rolling AU at least
+    ``reference``'s over the same batches minus ``margin``. ``reference`` is the co-located
+    (``local``) run of the same benchmark run: a dip both runs have (an epoch boundary, the
+    machine busy for everyone) cancels out, so what is left is the data path's own warm-up.
+    Only the batches both runs have are compared. The reference against itself is (0, True);
+    never within the margin (the last window is not): (0, False); no batches: (0, False)."""
+    n = min(len(timeline), len(reference))
+    ours = rolling_au(timeline[:n], window)
+    theirs = rolling_au(reference[:n], window)
+    if not ours:
+        return 0, False
+    behind = [i for i, (a, b) in enumerate(zip(ours, theirs, strict=True)) if a < b - margin]
+    if behind and behind[-1] == len(ours) - 1:
+        return 0, False
+    return (behind[-1] + 1 if behind else 0), True
+
+
 def stall_batches(timeline: Sequence[Batch], share: float = STALL_SHARE) -> int:
     """Batches whose data wait exceeded ``share`` of their compute time."""
     return sum(1 for b in timeline if b.data_wait_s > share * b.compute_s)
@@ -147,8 +170,24 @@ def cost(wan_bytes: int, idle_s: float, price_per_gb: float,
     return {"cost_wan_usd": wan, "cost_idle_usd": idle, "cost_usd": wan + idle}
 
 
-def summarize(timeline: Sequence[Batch]) -> dict[str, object]:
-    """Every figure that comes from the timeline alone."""
+def vs_local(timeline: Sequence[Batch],
+             reference: Sequence[Batch] | None) -> dict[str, object]:
+    """The warm-up against the co-located run (``reference``; None: no such run, every
+    figure None). ``warmup_batches_vs_local`` is None when the run never came within the
+    margin (``warmed_up_vs_local`` False)."""
+    if reference is None:
+        return {"warmup_batches_vs_local": None, "warmed_up_vs_local": None,
+                "time_to_steady_vs_local_s": None}
+    warm, warmed = warmup_vs(timeline, reference)
+    return {"warmup_batches_vs_local": warm if warmed else None,
+            "warmed_up_vs_local": warmed,
+            "time_to_steady_vs_local_s": time_to_steady_s(timeline, warm, warmed)}
+
+
+def summarize(timeline: Sequence[Batch],
+              reference: Sequence[Batch] | None = None) -> dict[str, object]:
+    """Every figure that comes from the timeline alone, and with ``reference`` (the
+    co-located run's timeline) the warm-up measured against it (``vs_local``)."""
     warm, warmed = warmup(timeline)
     epochs = epoch_s(timeline)
     compute = sum(b.compute_s for b in timeline)
@@ -158,6 +197,9 @@ def summarize(timeline: Sequence[Batch]) -> dict[str, object]:
         "au_steady": au_steady(timeline),
         "samples_per_s_steady": samples_per_s_steady(timeline),
         "stall_batches": stall_batches(timeline),
+        **vs_local(timeline, reference),
+        # The absolute figure (rolling AU >= 0.95), under its own name and the old one.
+        "warmup_batches_au95": warm,
         "warmup_batches": warm,
         "warmed_up": warmed,
         "time_to_steady_s": time_to_steady_s(timeline, warm, warmed),

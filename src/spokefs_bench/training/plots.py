@@ -6,7 +6,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from spokefs_bench.training.metrics import STEADY_AU, WINDOW, Batch, walls
+from spokefs_bench.training.metrics import LOCAL_MARGIN, STEADY_AU, WINDOW, Batch, walls
 
 SMOOTH = 5  # batches in the plotted moving window (centred): sharp enough to show phases
 
@@ -24,6 +24,15 @@ def smoothed(timeline: Sequence[Batch], half: int = SMOOTH // 2) -> tuple[list[f
         util.append(min(1.0, sum(b.compute_s for b in timeline[lo:hi]) / wall)
                     if wall > 0 else 0.0)
     return rate, util
+
+
+def warmup_of(r: dict[str, Any]) -> tuple[int, bool, float | None]:
+    """(warm-up batches, warmed up, seconds to steady) against local when the run had one,
+    else the absolute figure (rolling AU >= 0.95)."""
+    if r.get("warmed_up_vs_local") is not None:
+        return (r.get("warmup_batches_vs_local") or 0, bool(r["warmed_up_vs_local"]),
+                r.get("time_to_steady_vs_local_s"))
+    return r.get("warmup_batches", 0), bool(r.get("warmed_up")), r.get("time_to_steady_s")
 
 
 def plot_timelines(path: Path, timelines: dict[str, list[Batch]],
@@ -44,12 +53,12 @@ def plot_timelines(path: Path, timelines: dict[str, list[Batch]],
         ax_rate.plot(range(len(tl)), rate, color=c, lw=1.3, label=name)
         ax_au.plot(range(len(tl)), util, color=c, lw=1.3, label=name)
         r = results.get(name, {})
-        w = r.get("warmup_batches", 0)
-        if r.get("warmed_up") and w:
+        w, warmed, _ = warmup_of(r)
+        if warmed and w:
             ax_au.axvline(w, color=c, ls=":", lw=1.2)
             ax_au.annotate(f"{name}: {w}", (w, 0.02 + 0.045 * (k % 13)), color=c, fontsize=7,
                            xytext=(3, 0), textcoords="offset points")
-        elif not r.get("warmed_up"):
+        elif not warmed:
             ax_au.annotate(f"{name}: never steady", (len(tl) - 1, util[-1]), color=c,
                            fontsize=7, ha="right", xytext=(0, 4), textcoords="offset points")
     # Epochs are the same batches in every scenario (same data, same loop).
@@ -72,8 +81,9 @@ def plot_timelines(path: Path, timelines: dict[str, list[Batch]],
     ax_au.set_ylim(0, 1.05)
     ax_rate.set_ylabel(f"samples/s ({SMOOTH}-batch moving window)")
     ax_au.set_ylabel(f"accelerator utilisation ({SMOOTH}-batch window)")
-    ax_au.set_xlabel(f"batch   (dashed: epoch boundaries; dotted: warmup_batches, the first "
-                     f"batch from which every {WINDOW}-batch window has AU >= {STEADY_AU})")
+    ax_au.set_xlabel(f"batch   (dashed: epoch boundaries; dotted: warm-up, the first batch "
+                     f"from which every {WINDOW}-batch window's AU is within {LOCAL_MARGIN} of "
+                     f"local's; black: AU {STEADY_AU})")
     ax_rate.legend(fontsize=8, ncol=2, loc="lower right")
     fig.suptitle(title, fontsize=10)
     fig.tight_layout()
@@ -90,7 +100,7 @@ def plot_bars(path: Path, results: dict[str, dict[str, Any]]) -> Path:
 
     names = list(results)
     fig, axes = plt.subplots(1, 3, figsize=(13, 4.2))
-    steady = [results[n]["time_to_steady_s"] for n in names]
+    steady = [warmup_of(results[n])[2] for n in names]
     walls = [results[n]["wall_s"] for n in names]
     heights = [s if s is not None else w for s, w in zip(steady, walls, strict=True)]
     bars = axes[0].bar(names, heights, color="tab:blue")
@@ -98,7 +108,7 @@ def plot_bars(path: Path, results: dict[str, dict[str, Any]]) -> Path:
         if s is None:  # never steady: the whole run, hatched
             b.set_hatch("//")
             b.set_facecolor("0.8")
-    axes[0].set_title("time to steady state (s)\nhatched: never steady, whole run shown",
+    axes[0].set_title("time to local's pace (s)\nhatched: never, whole run shown",
                       fontsize=9)
     data_bytes = results[names[0]]["dataset_bytes"] if names else 0
     axes[1].bar(names, [results[n]["wan_bytes"] / 1e6 for n in names], color="tab:orange")

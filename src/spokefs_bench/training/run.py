@@ -21,7 +21,14 @@ from tqdm import tqdm
 
 from spokefs.errors import ConfigError
 from spokefs.procs import Service, hub_args
-from spokefs_bench.common import have_matplotlib, machine, table, write_json
+from spokefs_bench.common import (
+    Figure,
+    have_matplotlib,
+    machine,
+    missing_peer,
+    table,
+    write_json,
+)
 from spokefs_bench.training import metrics
 from spokefs_bench.training.datasets import (
     BuiltDataset,
@@ -46,6 +53,7 @@ LINKS = ("wide", "narrow")
 ALL_SCENARIOS = ("local", "local_http", "remote_direct", "remote_spoke",
                  "remote_spoke_hints", "staged", "rclone", "fsspec_cache")
 PEERS = ("rclone", "fsspec_cache")
+PEER_PACKAGE = {"rclone": "rclone", "fsspec_cache": "fsspec"}  # common.PEER_PACKAGES keys
 ORIGINS = ("dir", "s3")
 S3_BUCKET = "spokefs-train"  # --origin s3: the dataset under the prefix of its name
 # Goals (docs/benchmark.md): reported next to the figures, never tuned for.
@@ -79,6 +87,9 @@ class TrainConfig:
     # What the hub serves: "dir" (the dataset's folder) or "s3" (the dataset put in a bucket
     # of a local S3 server, moto, and a hub over it, behind the same links).
     origin: str = "dir"
+    # False (the CLI's default): a peer scenario that cannot run here is an error, raised
+    # before any work; True: it is skipped and its row says MISSING.
+    allow_missing_peers: bool = True
 
     def nominal_demand(self) -> float | None:
         """Bytes/s the loop consumes when data never waits (unknown with a real model)."""
@@ -154,7 +165,7 @@ def run_scenario(env: Env, sc: Scenario, link: str | None, cfg: TrainConfig,
         **metrics.summarize(out.timeline),
         "samples_wrong": out.samples_wrong, "bytes_wrong": out.bytes_wrong,
         "wan_bytes": moved, "hit_ratio": hit_ratio,
-        "dataset_bytes": env.data.bytes,
+        "dataset_bytes": env.data.bytes, "started_unix": out.started_unix,
         "notes": p.notes,
     }
     return res, out.timeline
@@ -222,6 +233,13 @@ def run_train(cfg: TrainConfig) -> dict[str, Any]:
             raise ConfigError(f"unknown dataset shape {shape!r} (files or shards)")
     if cfg.origin not in ORIGINS:
         raise ConfigError(f"unknown origin {cfg.origin!r} ({', '.join(ORIGINS)})")
+    if not cfg.allow_missing_peers:
+        missing = {name: why for name in dict.fromkeys(n for n, _ in planned)
+                   if name in PEER_PACKAGE and (why := SCENARIOS[name].unavailable())}
+        if missing:
+            raise ConfigError("a peer this benchmark compares with cannot run here: " + "; ".join(
+                f"{name}: {missing_peer(PEER_PACKAGE[name], why)}"
+                for name, why in missing.items()) + " (or pass --allow-missing-peers)")
     cfg.out.mkdir(parents=True, exist_ok=True)
     data_dir = cfg.data_dir or default_cache_dir()
     results: dict[str, dict[str, Any]] = {}
@@ -247,6 +265,8 @@ def run_train(cfg: TrainConfig) -> dict[str, Any]:
                     sc = SCENARIOS[name]
                     reason = sc.unavailable()
                     if reason:
+                        if name in PEER_PACKAGE:
+                            reason = missing_peer(PEER_PACKAGE[name], reason)
                         skipped[key] = reason
                         print(f"{key}: skipped: {reason}")
                         continue
@@ -272,19 +292,30 @@ def _demand(cfg: TrainConfig, results: dict[str, dict[str, Any]], shape: str) ->
     return cfg.nominal_demand()
 
 
+def _local_timeline(results: dict[str, dict[str, Any]], timelines: dict[str, list[Batch]],
+                    shape: str) -> list[Batch] | None:
+    """The co-located (``local``) run's timeline for ``shape``, when it ran."""
+    for key, r in results.items():
+        if r["scenario"] == "local" and r["shape"] == shape:
+            return timelines.get(key)
+    return None
+
+
 def finish(cfg: TrainConfig, results: dict[str, dict[str, Any]],
            timelines: dict[str, list[Batch]], skipped: dict[str, str], failed: dict[str, str],
            datasets: dict[str, Any], runtime_s: float) -> dict[str, Any]:
-    for r in results.values():
+    for key, r in results.items():
         r["demand_bytes_per_s"] = _demand(cfg, results, r["shape"])
+        # Warm-up against local of this same run: a dip both have is not the data path's.
+        r.update(metrics.vs_local(timelines[key],
+                                  _local_timeline(results, timelines, r["shape"])))
         r.update(metrics.cost(r["wan_bytes"], r["idle_s"], cfg.price_per_gb,
                               cfg.gpu_hour_price))
     params = {
         "shapes": list(cfg.shapes), "scenarios": list(cfg.scenarios),
         "samples": cfg.samples, "sample_size": cfg.sample_size, "classes": cfg.classes,
         "shard_size": cfg.shard_size, **dataclasses.asdict(cfg.loop),
-        "accelerator": "tiny CNN on the CPU" if cfg.loop.model else
-        f"sleep {cfg.loop.compute_s * 1000:g} ms per batch",
+        "accelerator": cfg.loop.describe_accelerator(),
         "rtt_s": cfg.rtt, "link_bytes_per_s": {k: cfg.link_rate(k) for k in LINKS},
         "default_link": cfg.link, "spoke_reader": cfg.spoke_reader,
         "stage_inflight": cfg.stage_inflight, "origin": cfg.origin,
@@ -294,6 +325,9 @@ def finish(cfg: TrainConfig, results: dict[str, dict[str, Any]],
         "local: the hub's source folder read directly (the data on this host's disk); "
         "local_http: the hub's HTTP on this host, one ranged GET per sample, no link",
         "skipped": skipped, "failed": failed, "runtime_s": runtime_s, "machine": machine(),
+        "missing_peers": {k: why for k, why in skipped.items()
+                          if k.rsplit("/", 1)[-1].split("@")[0] in PEERS},
+        "warmup_margin_au": metrics.LOCAL_MARGIN,
         "definitions": "docs/benchmark.md",
     }
     doc = {"params": params, "results": results, "goals": goals(results)}
@@ -314,7 +348,7 @@ def _title(cfg: TrainConfig) -> str:
     loop = cfg.loop
     return (f"{cfg.title}: {cfg.samples} x ~{cfg.sample_size / 1e3:g} KB samples "
             f"({'/'.join(cfg.shapes)}), batch {loop.batch_size}, {loop.workers} workers, "
-            f"{'CNN' if loop.model else f'{loop.compute_s * 1e3:g} ms'} per batch, "
+            f"{loop.arch if loop.model else f'{loop.compute_s * 1e3:g} ms'} per batch, "
             f"link {cfg.rtt * 1e3:g} ms")
 
 
@@ -343,11 +377,18 @@ def goals(results: dict[str, dict[str, Any]]) -> dict[str, Any]:
             ratio = spoke["samples_per_s_steady"] / local["samples_per_s_steady"]
             g["remote_spoke_steady_vs_local"] = {"value": ratio, "goal": GOAL_STEADY_RATIO,
                                                  "met": ratio >= GOAL_STEADY_RATIO}
-        if spoke:
+        if spoke and spoke.get("warmed_up_vs_local") is not None:
+            w = spoke["warmup_batches_vs_local"]
+            g["remote_spoke_warmup_batches_vs_local"] = {
+                "value": w, "warmed_up": spoke["warmed_up_vs_local"],
+                "goal": GOAL_WARMUP_BATCHES,
+                "met": w is not None and w <= GOAL_WARMUP_BATCHES}
+        if spoke:  # the absolute figure (rolling AU >= 0.95): kept, no longer the goal's
             w = spoke["warmup_batches"]
             g["remote_spoke_warmup_batches"] = {
                 "value": w, "warmed_up": spoke["warmed_up"], "goal": GOAL_WARMUP_BATCHES,
-                "met": spoke["warmed_up"] and w <= GOAL_WARMUP_BATCHES}
+                "met": spoke["warmed_up"] and w <= GOAL_WARMUP_BATCHES,
+                "superseded_by": "remote_spoke_warmup_batches_vs_local"}
         for (name, link), r in by.items():
             if link == "narrow" and r["link_bytes_per_s"]:
                 floor = r["dataset_bytes"] / r["link_bytes_per_s"]
@@ -367,8 +408,16 @@ def goals(results: dict[str, dict[str, Any]]) -> dict[str, Any]:
     return out
 
 
-COLUMNS = ["scenario", "reader", "first_epoch_s", "au", "au_steady", "warmup", "sps_steady",
-           "stalls", "wan_MB", "hit_ratio", "wrong_B", "cost_$"]
+COLUMNS = ["scenario", "reader", "first_epoch_s", "au", "au_steady", "warmup", "warmup_au95",
+           "sps_steady", "stalls", "wan_MB", "hit_ratio", "wrong_B", "cost_$"]
+MISSING = "MISSING"  # a peer's row when it could not run (--allow-missing-peers to go on)
+
+
+def _warmup_cell(r: dict[str, Any]) -> Any:
+    """The warm-up against local: batches, ``never``, or ``-`` (no local run)."""
+    if r.get("warmed_up_vs_local") is None:
+        return "-"
+    return r["warmup_batches_vs_local"] if r["warmed_up_vs_local"] else "never"
 
 
 def summary(doc: dict[str, Any]) -> str:
@@ -377,14 +426,16 @@ def summary(doc: dict[str, Any]) -> str:
         warm = r["warmup_batches"] if r["warmed_up"] else "never"
         hr = "-" if r["hit_ratio"] is None else round(r["hit_ratio"], 3)
         rows.append([key, r["reader"], r["first_epoch_s"],
-                     round(r["au"], 3), round(r["au_steady"], 3), warm,
+                     round(r["au"], 3), round(r["au_steady"], 3), _warmup_cell(r), warm,
                      r["samples_per_s_steady"], r["stall_batches"],
                      round(r["wan_bytes"] / 1e6, 1), hr, r["bytes_wrong"],
                      f"{r['cost_usd']:.5f}"])
-    lines = [table(rows, COLUMNS)] if rows else ["(no scenario ran)"]
     p = doc["params"]
+    missing = p.get("missing_peers", {})
+    rows += [[key, MISSING, *["-"] * (len(COLUMNS) - 2)] for key in missing]
+    lines = [table(rows, COLUMNS)] if rows else ["(no scenario ran)"]
     for key, why in p["skipped"].items():
-        lines.append(f"skipped {key}: {why}")
+        lines.append(f"{'MISSING peer' if key in missing else 'skipped'} {key}: {why}")
     for key, why in p["failed"].items():
         lines.append(f"FAILED {key}: {why}")
     for key, r in doc["results"].items():
@@ -392,10 +443,15 @@ def summary(doc: dict[str, Any]) -> str:
             lines.append(f"note {key}: {note}")
     for shape, g in doc["goals"].items():
         for name, v in g.items():
-            if isinstance(v, dict) and "goal" in v:
-                value = v["value"] if isinstance(v["value"], int) else f"{v['value']:.3f}"
+            if isinstance(v, dict) and "goal" in v and "superseded_by" not in v:
+                value = ("never" if v["value"] is None else v["value"]
+                         if isinstance(v["value"], int) else f"{v['value']:.3f}")
                 lines.append(f"[{shape}] {name}: {value} (goal {v['goal']}, "
                              f"{'met' if v['met'] else 'NOT met'})")
+    if doc["results"]:
+        lines.append(f"warmup: the first batch from which every {metrics.WINDOW}-batch window's "
+                     f"AU is within {metrics.LOCAL_MARGIN} of local's in this run; warmup_au95: "
+                     f"... has AU >= {metrics.STEADY_AU} (docs/benchmark.md)")
     lines.append(f"cost = wan GB x ${p['price_per_gb']}/GB + idle accelerator h x "
                  f"${p['gpu_hour_price']}/h; runtime {p['runtime_s']:.0f} s")
     for fig in p.get("figures", []):
@@ -403,12 +459,41 @@ def summary(doc: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def headlines(doc: dict[str, Any]) -> dict[str, Figure]:
+    """The figures ``--repeat`` summarises, and what each is compared with: a scenario's first
+    epoch against local's (a peer's against remote_spoke's) and each goal's value against its
+    goal. Steady pace and AU are summarised but not compared: a cached path is meant to equal
+    local there (a spread over that gap is the expected result; the goal covers the spoke)."""
+    out: dict[str, Figure] = {}
+    res = doc.get("results", {})
+    for key, r in res.items():
+        prefix = key.rsplit("/", 1)[0] + "/" if "/" in key else ""
+        local = prefix + "local" if key != prefix + "local" and prefix + "local" in res \
+            else None
+        peer = r["scenario"] in PEERS and prefix + "remote_spoke" in res
+        out[f"{key}.warmup_batches_vs_local"] = Figure(
+            r.get("warmup_batches_vs_local"),
+            GOAL_WARMUP_BATCHES if r["scenario"] == "remote_spoke" else None)
+        out[f"{key}.warmup_batches_au95"] = Figure(
+            r["warmup_batches"] if r["warmed_up"] else None)
+        out[f"{key}.samples_per_s_steady"] = Figure(r["samples_per_s_steady"])
+        out[f"{key}.first_epoch_s"] = Figure(
+            r["first_epoch_s"], f"{prefix}remote_spoke.first_epoch_s" if peer
+            else local and f"{local}.first_epoch_s")
+        out[f"{key}.au_steady"] = Figure(r["au_steady"])
+    for shape, g in doc.get("goals", {}).items():
+        for name, v in g.items():
+            if isinstance(v, dict) and "goal" in v and "superseded_by" not in v:
+                out[f"goal {shape} {name}"] = Figure(v["value"], v["goal"])
+    return out
+
+
 # -- the reference experiment ----------------------------------------------------------------
 SEED_SCENARIOS = (*ALL_SCENARIOS, "remote_spoke@narrow")
 
 
 def seed_config(out: Path, quick: bool = False, progress: bool = True,
-                origin: str = "dir") -> TrainConfig:
+                origin: str = "dir", allow_missing_peers: bool = True) -> TrainConfig:
     """The reference experiment at small scale: ~100 KB files in class folders, a 60 ms
     link, 3 epochs, a loop paced by its emulated accelerator at 16 samples per 100 ms
     (160 samples/s, 16 MB/s; the reference reports 115-117 samples/s). Full: 800 files and
@@ -419,13 +504,14 @@ def seed_config(out: Path, quick: bool = False, progress: bool = True,
                        samples=320 if quick else 800, sample_size=100_000,
                        loop=LoopConfig(epochs=3, batch_size=16, workers=4, compute_s=0.1),
                        rtt=0.06, bandwidth=400e6, progress=progress, origin=origin,
+                       allow_missing_peers=allow_missing_peers,
                        title="spokefs bench seed" + (" (quick)" if quick else "")
                        + (" (origin s3)" if origin == "s3" else ""))
 
 
 def run_seed(out: Path, quick: bool = True, progress: bool = True,
-             origin: str = "dir") -> dict[str, Any]:
+             origin: str = "dir", allow_missing_peers: bool = True) -> dict[str, Any]:
     """Run the reference experiment (quick: about 2 minutes on 2 cores), print the table
     and the figure paths, and return the results document (``results.json``'s content:
     ``{"params", "results", "goals"}``)."""
-    return run_train(seed_config(Path(out), quick, progress, origin))
+    return run_train(seed_config(Path(out), quick, progress, origin, allow_missing_peers))
