@@ -33,7 +33,6 @@ import hashlib
 import json
 import math
 import re
-import stat as statmod
 import zlib
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -355,6 +354,3 @@ def _utf8(text: str) -> bool:
 def _clean(path: str) -> bool:
     return "\x00" not in path and all(c not in ("", ".", "..") for c in path.split("/"))
 
-
-def dir_mode() -> int:
-    return statmod.S_IFDIR | 0o555

@@ -16,9 +16,6 @@ class DatasetURL:
     snapshot: str   # an id or "latest"
     path: str       # "" for the dataset's root
 
-    def with_path(self, path: str) -> DatasetURL:
-        return DatasetURL(self.base, self.dataset, self.snapshot, clean_path(path))
-
 
 def parse_url(url: str, default_scheme: str = "http") -> DatasetURL:
     if "://" not in url:

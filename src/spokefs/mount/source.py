@@ -139,18 +139,12 @@ class UpstreamSource:
             raise ReadFailed(f"{what}: {exc}") from exc
 
     async def _read_into(self, path: str, version: str, start: int, buf: memoryview) -> int:
-        if self.ranges is not None:
-            return (await self.ranges.read_into(path, start, buf, self._snapshot))[0]
-        block = await self.client.read_range(self.target.dataset, version, start,
-                                             start + len(buf))
-        buf[:len(block.data)] = block.data
-        return len(block.data)
+        return (await self.ranges.read_into(path, start, buf, self._snapshot))[0]
 
     async def close(self) -> None:
         if self.local is not None:
             await self.local.close()
-        if self.ranges is not None:
-            await self.ranges.close()
+        await self.ranges.close()
         await self.client.close()
 
 

@@ -399,10 +399,6 @@ class Fetcher:
     def held_back(self) -> bool:
         return self.queue.held_back
 
-    def set_window(self, nbytes: int | None) -> None:
-        self.queue.prefetch_window = nbytes
-        self._pump()
-
     async def close(self) -> None:
         await self.client.close()
         if self.tier is not None:

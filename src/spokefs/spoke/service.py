@@ -696,26 +696,24 @@ class SpokeBackend:
                            fut: asyncio.Future[Block] | None,
                            direct: bool = False, asker: str | None = None) -> BlockPart:
         what = f"block {key[1]} of {key[0]} ({name})"
-        for _ in range(3):
-            if fut is None:
-                loc = self.store.get(key)
-                if loc is not None:
-                    view = await self._resident(key, 0, loc.size)
-                    if view is not None:
-                        self._count(name, 1, 0)
-                        size = self.store.object_size(key[0]) or 0
-                        return BlockPart(200, view, size, loc.digest)
-                block = self.fetcher.recent(key)
-                if block is not None:
+        if fut is None:  # resident, else just fetched, else fetched now
+            loc = self.store.get(key)
+            if loc is not None:
+                view = await self._resident(key, 0, loc.size)
+                if view is not None:
                     self._count(name, 1, 0)
-                    return BlockPart(200, await self._fetched(key, block, 0, block.size),
-                                     block.object_size, block.digest)
-                fut = self.fetcher.want(name, key, DEMAND, direct, asker)
-            self._count(name, 0, 1)
-            block = await self._wait_fetch(fut, what)
-            return BlockPart(200, await self._fetched(key, block, 0, block.size),
-                             block.object_size, block.digest)
-        raise UpstreamUnavailable(f"{what} kept leaving the cache", self.config.upstream, "")
+                    size = self.store.object_size(key[0]) or 0
+                    return BlockPart(200, view, size, loc.digest)
+            block = self.fetcher.recent(key)
+            if block is not None:
+                self._count(name, 1, 0)
+                return BlockPart(200, await self._fetched(key, block, 0, block.size),
+                                 block.object_size, block.digest)
+            fut = self.fetcher.want(name, key, DEMAND, direct, asker)
+        self._count(name, 0, 1)
+        block = await self._wait_fetch(fut, what)
+        return BlockPart(200, await self._fetched(key, block, 0, block.size),
+                         block.object_size, block.digest)
 
     async def _wait_fetch(self, fut: asyncio.Future[Block], what: str) -> Block:
         """Wait for a fetch, but not past the deadline of upstream silence: a reader queued

@@ -21,28 +21,17 @@ import asyncio
 import gzip
 import json
 import time
-from collections.abc import Callable
-from dataclasses import dataclass
 
 import aiohttp
 
 from spokefs.errors import BadUpstream, Transient, from_status
 from spokefs.manifest import MAX_MANIFEST_BLOB, MAX_MANIFEST_BYTES, Manifest
 from spokefs.wire.auth import FROM_ENV, bearer, client_token
-from spokefs.wire.headers import H_DIGEST
 from spokefs.wire.tls import client_context, untrusted
 from spokefs.wire.unixpath import unix_address
 
 MAX_JSON_BYTES = 16 << 20
 _ERROR_BODY_BYTES = 1 << 20  # room for an error answer to a read of a few bytes
-
-
-@dataclass(frozen=True, slots=True)
-class Block:
-    data: bytes
-    digest: bytes | None   # the upstream's digest of this block (single-block reads)
-    size: int              # the whole object's size, from Content-Range
-    first_byte: float | None = None  # time.monotonic() when the response's headers arrived
 
 
 class UpstreamClient:
@@ -101,31 +90,22 @@ class UpstreamClient:
 
     async def _get(self, path: str, headers: dict[str, str] | None = None,
                    limit: int | None = None) -> tuple[int, dict[str, str], bytes]:
-        status, headers, body, _ = await self._get_timed(path, headers, limit=limit)
-        return status, headers, body
-
-    async def _get_timed(self, path: str, headers: dict[str, str] | None = None,
-                         on_bytes: Callable[[int], None] | None = None,
-                         limit: int | None = None
-                         ) -> tuple[int, dict[str, str], bytes, float]:
-        """_get, and the time.monotonic() at which the response's headers arrived;
-        ``on_bytes`` hears the size of each piece of the body as it arrives. A body of more
-        than ``limit`` bytes (``max_json_bytes`` if None) raises BadUpstream."""
+        """Status, headers and body of GET ``path``. A body of more than ``limit`` bytes
+        (``max_json_bytes`` if None) raises BadUpstream."""
         url = f"{self.base_url}{path}"
         limit = self.max_json_bytes if limit is None else limit
         try:
             async with self.session.get(url, headers=headers) as resp:
-                first_byte = self.last_received = time.monotonic()
-                body = await self._body(resp, limit, f"GET {path}", on_bytes)
-                return resp.status, dict(resp.headers), body, first_byte
+                self.last_received = time.monotonic()
+                body = await self._body(resp, limit, f"GET {path}")
+                return resp.status, dict(resp.headers), body
         except aiohttp.ClientConnectorCertificateError as exc:
             raise untrusted(self.base_url, exc.certificate_error) from exc
         except (TimeoutError, aiohttp.ClientError, OSError) as exc:
             raise Transient(f"{type(exc).__name__}: {exc}" if str(exc) else
                             type(exc).__name__) from exc
 
-    async def _body(self, resp: aiohttp.ClientResponse, limit: int, what: str,
-                    on_bytes: Callable[[int], None] | None = None) -> bytes:
+    async def _body(self, resp: aiohttp.ClientResponse, limit: int, what: str) -> bytes:
         """The whole body, or BadUpstream as soon as it is known to pass ``limit`` (from its
         Content-Length, else from the bytes counted as they arrive); leaving the response
         unread closes its connection."""
@@ -140,8 +120,6 @@ class UpstreamClient:
             if got > limit:
                 raise _too_large(what, resp.status, f"more than {got - 1}", limit)
             chunks.append(chunk)
-            if on_bytes is not None:
-                on_bytes(len(chunk))
         return b"".join(chunks)
 
     def _check(self, status: int, body: bytes, what: str) -> None:
@@ -216,22 +194,6 @@ class UpstreamClient:
         blob = await self.manifest_blob(dataset, snap)
         return await asyncio.to_thread(Manifest.decode, blob, self.max_manifest_json)
 
-    async def read_range(self, dataset: str, version: str, start: int, end: int,
-                         on_bytes: Callable[[int], None] | None = None) -> Block:
-        """Bytes [start, end) of a version; ``end`` may pass the object's end (clamped).
-        ``on_bytes`` hears the size of each piece of the body as it arrives."""
-        path = f"/v1/datasets/{dataset}/objects/{version}"
-        status, headers, body, first_byte = await self._get_timed(
-            path, {"Range": f"bytes={start}-{end - 1}"}, on_bytes=on_bytes,
-            limit=max(end - start, _ERROR_BODY_BYTES))  # never more than asked for
-        self._check(status, body, f"{path} [{start},{end})")
-        size = _total_size(headers, len(body))
-        want = min(end, size) - start
-        if len(body) != want:
-            raise Transient(f"short read from upstream: {len(body)} of {want} bytes")
-        digest = headers.get(H_DIGEST)
-        return Block(body, bytes.fromhex(digest) if digest else None, size, first_byte)
-
 
 def raise_for_status(status: int, body: bytes, what: str) -> None:
     """Map an upstream error answer: 5xx (but 501) may be retried, the rest are final."""
@@ -248,10 +210,3 @@ def _too_large(what: str, status: int, size: str, limit: int) -> BadUpstream:
     # No upstream address in the message: it may travel on to a client in an answer.
     return BadUpstream(f"the upstream answered {what} with {status} and a body of {size} "
                        f"bytes, more than the {limit} read from it; refused")
-
-
-def _total_size(headers: dict[str, str], body_len: int) -> int:
-    cr = headers.get("Content-Range")
-    if cr and "/" in cr:
-        return int(cr.rsplit("/", 1)[1])
-    return body_len
