@@ -40,6 +40,7 @@ from typing import Any
 from tqdm import tqdm
 
 from spokefs import integrity
+from spokefs.cache.durable import write_durably
 from spokefs.errors import ConfigError, NotFound
 from spokefs.manifest import Manifest
 
@@ -273,10 +274,9 @@ class SnapshotLedger:
         created = time.time()
         m = Manifest(self.name, snap_id, created, m.block_size, m.paths, m.sizes, m.modes,
                      m.mtimes, m.versions, m.dirs)
-        target = self.manifest_path(snap_id)
-        tmp = target.with_suffix(".tmp")
-        tmp.write_bytes(m.encode())
-        os.replace(tmp, target)  # manifest on disk before the snapshot is listed
+        # The manifest durable (fsync'd, renamed in, folder fsync'd) before the snapshot is
+        # listed: a crash never leaves a listed snapshot without its manifest.
+        write_durably(self.manifest_path(snap_id), m.encode())
         if existing is not None:
             db.execute("DELETE FROM snapshots WHERE id=?", (snap_id,))
         cur = db.execute("INSERT INTO snapshots (id, created, files, bytes) VALUES (?,?,?,?)",
