@@ -16,6 +16,8 @@
 # results and logs). Results are rewritten after each part, so a cut-short run keeps what
 # finished. DEVICE_BENCH_TINY=1: tiny sizes, cores 1,2, the model on the CPU (a local check);
 # DEVICE_BENCH_NO_MOUNT=1: no FUSE (the spoke read over HTTP, no mount bench).
+# DEVICE_BENCH_SCENARIOS="local remote_spoke ...": the training scenarios, in order;
+# DEVICE_BENCH_CORES="16 2": the core counts of the scaling part ("" skips it).
 set -uo pipefail
 
 T0=$(date +%s)
@@ -228,9 +230,10 @@ else
   if [ "$MOUNT_OK" = 1 ]; then READER=auto; else READER=http; fi
   say "training: ${MODEL[*]}, $TRAIN_SAMPLES samples of ~$TRAIN_SIZE, batch $TRAIN_BATCH," \
     "$TRAIN_WORKERS workers, $TRAIN_EPOCHS epochs, link 60ms at $TRAIN_BW, spoke reader $READER"
-  for spec in "local:$T_LOCAL" "remote_spoke:$T_REMOTE" "remote_spoke_hints:$T_HINTS"; do
-    sc=${spec%%:*}; want=${spec##*:}
-    if [ "$sc" = remote_spoke_hints ] && [ "$TINY" != 1 ] && [ "$(left)" -lt 230 ]; then
+  for sc in ${DEVICE_BENCH_SCENARIOS:-local remote_spoke remote_spoke_hints}; do
+    case $sc in local) want=$T_LOCAL ;; remote_spoke) want=$T_REMOTE ;; *) want=$T_HINTS ;; esac
+    if [ "$sc" = remote_spoke_hints ] && [ "$TINY" != 1 ] && [ -n "${DEVICE_BENCH_CORES-$CORES_LIST}" ] \
+       && [ "$(left)" -lt 230 ]; then
       say "SKIPPED train:$sc: kept the time for the scaling runs"
       note "train:$sc" skipped 0 "time kept for scaling"
       continue
@@ -432,7 +435,7 @@ if [ "$HAVE_TASKSET" != 1 ]; then
   note scaling skipped 0 "no taskset"
 else
   MOUNT_FAILED=0
-  for n in $CORES_LIST; do
+  for n in ${DEVICE_BENCH_CORES-$CORES_LIST}; do
     if [ "$n" -gt "$NPROC" ]; then
       say "SKIPPED N=$n: only $NPROC cores"; note "scaling:n$n" skipped 0 "only $NPROC cores"
       continue
