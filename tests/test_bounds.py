@@ -118,6 +118,27 @@ def test_an_error_answer_claiming_a_huge_body_is_refused_at_its_head() -> None:
     assert f"more than the {MAX_ERROR_BODY}" in asyncio.run(main())
 
 
+def test_a_range_answer_for_another_range_is_never_taken() -> None:
+    """A 206 whose Content-Range starts elsewhere than the read asked holds other bytes: the
+    data client refuses it (Transient: asked again), and the buffer keeps nothing of it."""
+    async def main() -> tuple[str, bytes]:
+        server, url = await _claiming_server(
+            b"HTTP/1.1 206 Partial Content\r\nContent-Range: bytes 100-109/1000\r\n"
+            b"Content-Length: 10\r\n\r\n" + b"x" * 10)
+        client = DataClient(url)
+        buf = bytearray(10)
+        try:
+            with pytest.raises(Transient) as err:
+                await asyncio.wait_for(client.read_into("/ds/f", 0, memoryview(buf)), 5)
+            return str(err.value), bytes(buf)
+        finally:
+            await client.close()
+            server.close()
+
+    message, buf = asyncio.run(main())
+    assert "for a read at 0" in message and buf == bytes(10)
+
+
 # -- real servers -------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def servers(tmp_path_factory: pytest.TempPathFactory

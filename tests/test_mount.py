@@ -190,7 +190,8 @@ async def test_data_client_reads_into_buffers_and_maps_errors() -> None:
             return web.json_response({"error": {"code": "upstream_unavailable",
                                                 "message": "later"}}, status=503)
         if name == "cut":  # promises more than it sends, then hangs up
-            resp = web.StreamResponse(status=206, headers={"Content-Length": "1000"})
+            resp = web.StreamResponse(status=206, headers={
+                "Content-Length": "1000", "Content-Range": "bytes 0-999/1000"})
             await resp.prepare(request)
             await resp.write(b"x" * 10)
             request.transport.close()  # type: ignore[union-attr]

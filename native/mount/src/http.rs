@@ -90,6 +90,15 @@ fn map_io(io: &std::io::Error) -> HttpError {
     }
 }
 
+/// The first byte a 206 answer holds, from its `Content-Range: bytes A-B/N`.
+fn range_start(content_range: Option<&str>) -> Option<u64> {
+    let first = content_range?.strip_prefix("bytes ")?.split('-').next()?;
+    if first.is_empty() || first.len() > 20 || !first.bytes().all(|b| b.is_ascii_digit()) {
+        return None;
+    }
+    first.parse().ok()
+}
+
 fn status_error(status: u16, body: &[u8]) -> HttpError {
     if status >= 500 && status != 501 {
         HttpError::Transient(format!("upstream answered {status}"))
@@ -162,6 +171,15 @@ impl Upstream {
         }
         if status == 200 && start != 0 {
             return Err(HttpError::Transient("upstream ignored the Range header".into()));
+        }
+        if status == 206 {
+            // Bytes of another range are other bytes: never taken as these.
+            let cr = resp.headers().get("content-range").and_then(|v| v.to_str().ok());
+            if range_start(cr) != Some(start) {
+                return Err(HttpError::Transient(format!(
+                    "upstream answered {cr:?} for a read at {start}"
+                )));
+            }
         }
         let mut reader = resp.body_mut().as_reader();
         let mut got = 0;
@@ -327,6 +345,16 @@ mod tests {
             }),
             Ok(3)
         );
+    }
+
+    #[test]
+    fn a_range_answer_names_where_it_starts() {
+        assert_eq!(range_start(Some("bytes 100-199/1000")), Some(100));
+        assert_eq!(range_start(Some("bytes 0-0/1")), Some(0));
+        for bad in ["", "bytes -5/10", "items 1-2/3", "bytes \u{b2}-3/4", "bytes x-1/2"] {
+            assert_eq!(range_start(Some(bad)), None, "{bad}");
+        }
+        assert_eq!(range_start(None), None);
     }
 
     #[test]

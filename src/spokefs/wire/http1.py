@@ -114,6 +114,13 @@ class _Frames:
         self.reader.feed(data)
 
 
+def _range_start(head: Head) -> int | None:
+    """The first byte a 206 answer holds, from its ``Content-Range: bytes A-B/N``."""
+    unit, _, rest = head.headers.get("content-range", "").partition(" ")
+    first = rest.partition("-")[0]
+    return int(first) if unit == "bytes" and ascii_digits(first, 20) else None
+
+
 class Head:
     __slots__ = ("body", "headers", "length", "status")
 
@@ -352,6 +359,10 @@ class DataClient:
         def sink_for(head: Head) -> Sink:
             if head.status == 200 and start != 0:
                 raise Transient("upstream ignored the Range header")
+            if head.status == 206 and _range_start(head) != start:
+                # Bytes of another range are other bytes: never taken as these.
+                raise Transient(f"upstream answered {head.headers.get('content-range')!r} "
+                                f"for a read at {start}")
             if head.length > len(buf):
                 raise Transient(f"upstream sent {head.length} bytes for a {len(buf)}-byte "
                                 "range")
