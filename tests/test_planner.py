@@ -335,6 +335,31 @@ def test_order_tolerates_multi_worker_disorder() -> None:
     assert sum(h.pins.values()) == 0
 
 
+def test_order_keeps_what_slow_loader_workers_will_read() -> None:
+    """A DataLoader's 12 workers each read a batch of 256 of the order at once (reads spread
+    over 3,072 positions) while prefetches arrive a few at a time: the far workers' reads
+    must not make the near workers' positions count as read, which would drop their queued
+    prefetches and turn those reads into demand misses (the planner's default window)."""
+    m = tree({"d": 6144})
+    h = Harness(m, lookahead_bytes=1 * GiB, max_inflight_bytes=16 * MiB)
+    order = list(range(len(m)))
+    random.Random(5).shuffle(order)
+    h.send(OrderAnnounced("ds", "", 0, order))
+    h.complete(limit=48)
+    workers, batch = 12, 256
+    batches = [order[b : b + batch] for b in range(0, len(order), batch)]
+    for group in range(0, len(batches), workers):  # each worker a batch, in step
+        mine = batches[group : group + workers]
+        for step in range(batch):
+            for w in mine:
+                h.read(w[step])
+            h.complete(limit=48)  # prefetches arrive at 4x the read rate
+    h.complete()
+    assert h.p.order_position("ds", "") == len(order)
+    # Measured with this schedule: 326 with the window at 16,384, 1,653 at 1,024.
+    assert len(h.fetches("demand")) < 600
+
+
 def test_order_with_shard_ranges_and_next_epoch() -> None:
     m = Manifest.from_entries([(f"shard-{s}.tar", f"v{s}", 16 * MiB) for s in range(4)], BS)
     h = Harness(m, lookahead_bytes=24 * MiB, max_inflight_bytes=1 * GiB)
