@@ -32,11 +32,9 @@ unsafe extern "C" {
 /// The xxh3-64 of `data` (seed 0, default secret).
 #[inline]
 pub fn xxh3_64(data: &[u8]) -> u64 {
-    // SAFETY: libxxhash reads `len` bytes from `input` and writes nothing but its own
-    // dispatch table (filled once, by a constructor when the library is loaded, before any
-    // call); `data` is a live slice of exactly that many bytes, not written meanwhile (we
-    // hold `&[u8]`). An empty slice's pointer is dangling but non-null, and for a length of 0
-    // libxxhash reads nothing.
+    // SAFETY: libxxhash reads `len` bytes of `input` (an empty slice's pointer is non-null,
+    // and it reads none) and writes only its dispatch table, set at load; `data` is a live
+    // slice of exactly `len` bytes that nothing writes meanwhile (we hold `&[u8]`).
     unsafe { xxh3_64bits(data.as_ptr().cast(), data.len()) }
 }
 

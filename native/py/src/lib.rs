@@ -65,12 +65,11 @@ fn bytes_of(buf: &PyUntypedBuffer) -> &[u8] {
     if len == 0 {
         return &[];
     }
-    // SAFETY: `buf` is a held export of a C-contiguous buffer, so `buf_ptr()` points at
-    // `len_bytes()` initialised bytes that stay allocated and in place while the export is
-    // held (an exporter may not free or resize an exported buffer: bytearray refuses with
-    // BufferError); the slice borrows `buf`, so it cannot outlive the export. The seam's
-    // contract, kept by every caller (each passes buffers it owns, scratch buffers are per
-    // thread), is that no other thread writes the buffer during the call.
+    // The seam's contract, kept by every caller (each passes buffers it owns; scratch buffers
+    // are per thread): no other thread writes the buffer during the call.
+    // SAFETY: `buf` is a held export of a C-contiguous buffer: `buf_ptr()` points at
+    // `len_bytes()` initialised bytes that stay in place while it is held (an exporter may not
+    // free or resize an exported buffer); the slice borrows `buf`, so cannot outlive it.
     unsafe { slice::from_raw_parts(buf.buf_ptr().cast::<u8>(), len) }
 }
 
