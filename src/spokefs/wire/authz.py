@@ -185,6 +185,8 @@ def rate_middleware(buckets: TokenBuckets, clock: Callable[[], float] = time.mon
 
     @web.middleware
     async def limit(request: web.Request, handler: Callable) -> web.StreamResponse:
+        if request.method in ("GET", "HEAD"):  # reads (the hot path): no job route is one
+            return await handler(request)
         route = route_of(request)
         if route is None or not route.job or _on_unix_socket(request):
             return await handler(request)
