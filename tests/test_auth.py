@@ -261,3 +261,30 @@ def test_a_mount_over_tls(tls_stack, tmp_path: Path) -> None:
                                               "SPOKEFS_CA_BUNDLE": str(root / "ca.pem")}):
         for name in ("class0/img0000.jpg", "shards/shard-000.tar"):
             assert (mp / name).read_bytes() == (ds / name).read_bytes()
+
+
+def test_concurrent_ranges_over_tls_never_mix_bytes(tls_stack) -> None:
+    """Answers over TLS cannot use sendfile(2). asyncio's fallback seeks the file object and
+    reads from its position, and a spoke's segment file is one object shared by every answer:
+    two ranges of one segment sent at once over https read each other's bytes. Ranges larger
+    than the spoke's small-read size, of two blocks, many times at once, each compared."""
+    ds, _, s, root = tls_stack
+    name = "shards/shard-000.tar"
+    whole = (ds / name).read_bytes()
+    pool = urllib3.PoolManager(ca_certs=str(root / "ca.pem"), maxsize=16, retries=False)
+    url = f"{s.url}/ds/{name}"
+    auth = {"Authorization": f"Bearer {READER}"}
+    assert pool.request("GET", url, headers=auth).data == whole  # both blocks resident
+    bs = 4 * 1024 * 1024
+    ranges = [(0, bs), (bs, len(whole)), (300_000, 3_900_000), (bs + 1000, len(whole) - 7)]
+
+    def one(i: int) -> bool:
+        lo, hi = ranges[i % len(ranges)]
+        r = pool.request("GET", url, headers={**auth, "Range": f"bytes={lo}-{hi - 1}"})
+        return r.status == 206 and r.data == whole[lo:hi]
+
+    from concurrent.futures import ThreadPoolExecutor
+
+    with ThreadPoolExecutor(12) as ex:
+        results = list(ex.map(one, range(240)))
+    assert all(results), f"{results.count(False)} of {len(results)} ranges came back wrong"

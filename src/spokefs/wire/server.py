@@ -58,6 +58,7 @@ from spokefs.wire.backend import (
     LaterBlock,
     ReadContext,
     Segment,
+    readiness,
 )
 from spokefs.wire.bodies import json_body
 from spokefs.wire.frames import HEADER_SIZE, encode_header
@@ -69,6 +70,7 @@ from spokefs.wire.headers import (
     H_SNAPSHOT,
     H_VERSION,
 )
+from spokefs.wire.looplag import HEALTH_MAX_LAG, LoopLag
 from spokefs.wire.paths import check_dataset_name, clean_path, split_dataset_ref
 from spokefs.wire.ranges import parse_range
 from spokefs.wire.ratelimit import TokenBuckets
@@ -90,6 +92,8 @@ MAX_DIGESTS = 1024           # versions in one digests request
 _COALESCE = 1 << 20          # small frames are gathered into writes of about this size
 _SMALL_PAYLOAD = 256 * 1024  # a file payload up to this is read and gathered, not sendfile'd
 _GATHER = 1 << 20            # a read up to this is answered in one piece
+READY_TIMEOUT = 2.0          # seconds a backend's readiness check may take (then: not ready)
+HEALTH_TICK = 0.1            # seconds between the probe's own loop-lag wake-ups
 
 BACKEND_KEY = web.AppKey("backend", Backend)
 
@@ -143,13 +147,45 @@ def _log_fd_exhaustion(exc: OSError) -> None:
                   "or lower the number of clients", exc)
 
 
+_PREAD_PIECE = 1 << 20  # where sendfile cannot be used: bytes read and written per step
+
+
+async def send_file_range(request: web.Request, resp: web.StreamResponse,
+                          seg: FileSegment) -> None:
+    """Send bytes [offset, offset+count) of ``seg``'s file: sendfile(2) where the transport
+    allows it, else positional reads (pread) written through ``resp``.
+
+    Never asyncio's own sendfile fallback (taken for TLS transports): it ``seek``s the file
+    object and reads from its position in a thread, and a spoke's segment file is one object
+    shared by every concurrent answer, so two answers over TLS read each other's bytes (a
+    mount over https once got block 1 of a file for block 0). pread has no shared position.
+    """
+    transport = request.transport
+    if transport is None:
+        raise ConnectionResetError("client went away")
+    if transport.get_extra_info("sslcontext") is None:  # TLS has no sendfile(2)
+        try:
+            await asyncio.get_running_loop().sendfile(transport, seg.file, seg.offset,
+                                                      seg.count, fallback=False)
+            return
+        except (asyncio.SendfileNotAvailableError, NotImplementedError):
+            pass  # not a file sendfile(2) takes: nothing was sent yet
+    fd, pos, end = seg.file.fileno(), seg.offset, seg.offset + seg.count
+    while pos < end:
+        data = os.pread(fd, min(_PREAD_PIECE, end - pos), pos)
+        if not data:
+            raise ConnectionAbortedError(f"file shrank: {pos - seg.offset} of {seg.count} "
+                                         "bytes")
+        await resp.write(data)
+        pos += len(data)
+
+
 async def send_segments(request: web.Request, segments: AsyncIterator[Segment],
                         first: Segment | None, resp: web.StreamResponse,
                         sent: list[int] | None = None) -> web.StreamResponse:
     """Stream the segments; a file segment goes out with sendfile, no copy through Python.
     ``sent[0]`` counts the bytes handed to the connection (for the audit log)."""
     await resp.prepare(request)
-    loop = asyncio.get_running_loop()
     seg = first
     try:
         while seg is not None:
@@ -160,12 +196,7 @@ async def send_segments(request: web.Request, segments: AsyncIterator[Segment],
                     seg.release()
             elif isinstance(seg, FileSegment):
                 try:
-                    transport = request.transport
-                    if transport is None:
-                        raise ConnectionResetError("client went away")
-                    await loop.sendfile(transport, seg.file, seg.offset, seg.count)
-                except NotImplementedError:
-                    await resp.write(os.pread(seg.file.fileno(), seg.count, seg.offset))
+                    await send_file_range(request, resp, seg)
                 finally:
                     seg.release()
             else:
@@ -191,7 +222,6 @@ async def send_frames(request: web.Request, resp: web.StreamResponse,
                       parts: list[BlockPart]) -> None:
     """Write a batch body (``wire.frames``): small payloads are gathered with their headers
     into large writes; a large file payload goes out with sendfile after its header."""
-    loop = asyncio.get_running_loop()
     chunk = bytearray()
     try:
         for seq, part in enumerate(parts):
@@ -216,12 +246,8 @@ async def send_frames(request: web.Request, resp: web.StreamResponse,
                 else:
                     await resp.write(chunk)
                     chunk = bytearray()
-                    transport = request.transport
-                    if transport is None:
-                        raise ConnectionResetError("client went away")
                     try:
-                        await loop.sendfile(transport, payload.file, payload.offset,
-                                            payload.count)
+                        await send_file_range(request, resp, payload)
                     finally:
                         payload.release()
             else:
@@ -350,8 +376,10 @@ class Api:
     """Route handlers. ``extra`` lets a role add its own routes (the spoke's hints, warm...)."""
 
     def __init__(self, backend: Backend, audit: Audit | None = None,
-                 batch_memory: int | None = None) -> None:
+                 batch_memory: int | None = None, health: LoopLag | None = None) -> None:
         self.backend = backend
+        # This process's loop, as /healthz sees it (``build_app`` runs its ticker).
+        self.health = health or LoopLag(None, HEALTH_TICK)
         # Batch reads' bytes held at once (None: not counted, for a hub's file segments);
         # with it, the backend tells a batch's bytes (``batch_bytes``).
         self.batch_room = ByteRoom(batch_memory) if batch_memory else None
@@ -370,6 +398,26 @@ class Api:
         owners = [Owner.API, Owner.UI] + ([Owner.SPOKE] if self.backend.role == "spoke"
                                           else [])
         return web.json_response(openapi(owners, f"spokefs {self.backend.role}"))
+
+    # -- probes ------------------------------------------------------------------------------
+    # Public: no token, and nothing in the answer but ok and a generic reason.
+    async def healthz(self, request: web.Request) -> web.Response:
+        """Liveness: answered by this process's event loop, 503 when its recent lag is over
+        ``HEALTH_MAX_LAG`` (a loop held for good does not answer at all)."""
+        return _probe("the event loop is lagging" if self.health.lag() > HEALTH_MAX_LAG
+                      else None)
+
+    async def readyz(self, request: web.Request) -> web.Response:
+        """Readiness: the backend's own check (``wire.backend.Ready``), within
+        ``READY_TIMEOUT``; a backend without one is ready when it answers."""
+        try:
+            reason = await asyncio.wait_for(readiness(self.backend), READY_TIMEOUT)
+        except TimeoutError:
+            reason = "the readiness check did not finish in time"
+        except Exception as exc:  # the check itself failed: not ready, the cause to the log
+            log.warning("readiness check failed: %s", exc)
+            reason = "the readiness check failed"
+        return _probe(reason)
 
     # -- JSON API ----------------------------------------------------------------------------
     async def metrics(self, request: web.Request) -> web.Response:
@@ -622,6 +670,13 @@ def _peer(request: web.Request) -> str:
     return f"{peer[0]}:{peer[1]}" if peer else ""
 
 
+def _probe(reason: str | None) -> web.Response:
+    body: dict[str, object] = {"ok": True} if reason is None else {"ok": False,
+                                                                  "reason": reason[:200]}
+    return web.json_response(body, status=200 if reason is None else 503,
+                             headers={"Cache-Control": "no-store"})
+
+
 def _html_page(title: str, items: str, headers: dict[str, str] | None = None) -> web.Response:
     t = html.escape(title)
     body = (f"<!DOCTYPE html><html><head><meta charset='utf-8'><title>{t}</title></head>"
@@ -660,6 +715,16 @@ def build_app(backend: Backend, handlers: dict[Owner, Any] | None = None,
     api = Api(backend, audit, batch_memory)
     app.add_routes(bind({Owner.API: api, Owner.UI: ui, **(handlers or {})},
                         forward))
+
+    async def health_ticker(app: web.Application) -> AsyncIterator[None]:
+        """/healthz's measurement of this process's loop, for as long as the app serves."""
+        task = asyncio.create_task(api.health.run(), name="healthz-loop-lag")
+        yield
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+
+    app.cleanup_ctx.append(health_ticker)
     if audit is not None:
         async def close_audit(app: web.Application) -> None:  # after the backend's cleanup
             audit.close()
