@@ -21,6 +21,7 @@ import functools
 import json
 import logging
 import time
+from collections import OrderedDict
 from collections.abc import AsyncIterator, Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -77,6 +78,7 @@ _FORWARDED_HEADERS = ("Authorization", "Content-Type", "Range", H_READER, H_JOB,
 
 class ReplicaBackend:
     role = "spoke"
+    RECENT_SNAPSHOTS = 256  # (dataset, snapshot) pairs remembered as read here lately
 
     def __init__(self, primary_socket: Path, deadline: float = 30.0,
                  latest_ttl: float = 10.0, read_window: int = 64 << 20) -> None:
@@ -99,8 +101,11 @@ class ReplicaBackend:
         self._used: dict[str, set[str]] = {}  # snapshots read here since the last report
         self._counts = {"served_bytes": 0}  # hits and misses: counted with reads, locates
         self._checker = ThreadPoolExecutor(2, thread_name_prefix="spokefs-check")
-        self.versions = DatasetVersions(self.dataset, self.manifest,
-                                        lambda name: self._used.get(name, ()))
+        # Snapshots read here lately, newest last: what a read's version is looked up in.
+        # Not ``_used``, which each report empties: a read resolved just before a report
+        # would then find its own snapshot unknown (a 404 for a file it just named).
+        self._recent: OrderedDict[tuple[str, str], None] = OrderedDict()
+        self.versions = DatasetVersions(self.dataset, self.manifest, self._recent_snapshots)
         self.served: Any = None
 
     # -- lifecycle ---------------------------------------------------------------------------
@@ -226,11 +231,19 @@ class ReplicaBackend:
 
     async def resolve(self, name: str, snap: str) -> str:
         snap_id = await self._resolve(name, snap)
-        self._used.setdefault(name, set()).add(snap_id)
+        self.snapshots_used(name, [snap_id])
         return snap_id
 
     def snapshots_used(self, name: str, snap_ids: list[str]) -> None:
         self._used.setdefault(name, set()).update(snap_ids)  # told with the next report
+        for snap_id in snap_ids:
+            self._recent[(name, snap_id)] = None
+            self._recent.move_to_end((name, snap_id))
+        while len(self._recent) > self.RECENT_SNAPSHOTS:
+            self._recent.popitem(last=False)
+
+    def _recent_snapshots(self, name: str) -> list[str]:
+        return [snap for (ds, snap) in reversed(self._recent) if ds == name]
 
     async def _resolve(self, name: str, snap: str) -> str:
         info = await self.dataset(name)
