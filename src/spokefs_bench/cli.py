@@ -22,6 +22,7 @@ BENCH_MODULES = [
     "spokefs_bench.s3client",
     "spokefs_bench.tier",
     "spokefs_bench.native",
+    "spokefs_bench.node",
 ]
 
 
