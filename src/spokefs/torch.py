@@ -13,6 +13,15 @@ when the cache is smaller than the dataset, evicts the block whose next use is f
 Works the same whether the dataset reads through the mount or through ``spokefs.open``.
 A spoke that cannot be reached only costs the hint: training goes on, with a warning.
 
+The sampler resumes with the model. Save ``sampler.state_dict(consumed=samples_this_epoch)``
+in the checkpoint beside the model's; after a restart (on a fresh node too),
+``sampler.load_state_dict(state)`` makes the next ``iter()`` draw the same epoch's order
+again, announce what is left of it from that position (so the spoke fetches the next
+batches before the loader asks for them) and yield only the rest; the epochs after it are
+the ones the first run would have drawn. ``consumed`` is what the training loop took (steps
+x batch size): the loader's workers draw indices ahead of training, so the sampler's own
+count (the default) would skip the batches that were in flight at the save.
+
 ``StepReporter`` tells the spoke how long each batch waited for its data and how long the
 step then took, so the spoke's dashboard (``/ui``) and ``/metrics`` show whether the job is
 data-bound next to the cache's state:
@@ -64,6 +73,11 @@ class AnnouncingSampler(Sampler[int]):
                                     deadline=deadline)
         self.epoch = 0
         self._posting: threading.Thread | None = None
+        # For state_dict(): the epoch being yielded, how to draw its order again, and how
+        # many of its samples were yielded.
+        self._current: tuple[int, dict[str, Any]] | None = None
+        self._yielded = 0
+        self._resume: dict[str, Any] | None = None  # load_state_dict(): the next iter()
 
     def _path(self, i: int) -> str:
         p = self.paths(i) if callable(self.paths) else self.paths[i]
@@ -78,10 +92,18 @@ class AnnouncingSampler(Sampler[int]):
             self.sampler.set_epoch(epoch)
 
     def __len__(self) -> int:
-        return len(self.sampler)  # type: ignore[arg-type]
+        full = len(self.sampler)  # type: ignore[arg-type]
+        return full - int(self._resume["position"]) if self._resume else full
 
     def __iter__(self) -> Iterator[int]:
+        resume, self._resume = self._resume, None
+        if resume is not None:
+            _restore_draw(self.sampler, resume["draw"])
+        draw = _draw_state(self.sampler)
         order = list(iter(self.sampler))
+        start = min(int(resume["position"]), len(order)) if resume else 0
+        if start:
+            order = order[start:]
         # Post in the background: the first batches must not wait for the hint's round trip
         # (the spoke fetches demand misses anyway, and the order catches up a moment later).
         if self._posting is not None:
@@ -89,8 +111,42 @@ class AnnouncingSampler(Sampler[int]):
         self._posting = threading.Thread(target=self.announce, args=(order, self.epoch),
                                          name="spokefs-announce", daemon=True)
         self._posting.start()
+        self._current = (self.epoch, {"draw": draw, "start": start})
+        self._yielded = start
         self.epoch += 1
-        return iter(order)
+        return self._count(order)
+
+    def _count(self, order: list[int]) -> Iterator[int]:
+        for i in order:
+            self._yielded += 1
+            yield i
+
+    def state_dict(self, consumed: int | None = None) -> dict[str, Any]:
+        """What a checkpoint keeps to resume the data where the model resumes: the epoch,
+        the position in it (``consumed``: samples the training loop took since this epoch's
+        ``iter()`` began, a resumed epoch's skipped part not counted; default: those this
+        sampler yielded, which runs ahead by the loader's prefetch) and
+        how its order is drawn again (the generator's state at the epoch's start, or the
+        inner sampler's seed)."""
+        if self._current is None:  # no epoch begun: resume at the start of the next
+            return {"version": 1, "epoch": self.epoch, "position": 0, "draw": None}
+        epoch, cur = self._current
+        position = self._yielded  # counts from the epoch's start, a resumed part included
+        if consumed is not None:  # counts from this iter()'s start; never past what it gave
+            position = min(cur["start"] + max(consumed, 0), self._yielded)
+        if position >= len(self.sampler):  # type: ignore[arg-type]
+            return {"version": 1, "epoch": epoch + 1, "position": 0, "draw": None}
+        return {"version": 1, "epoch": epoch, "position": position, "draw": cur["draw"]}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Resume from ``state_dict()``'s answer: the next ``iter()`` is the rest of that
+        epoch, announced to the spoke from that position."""
+        if state.get("version") != 1:
+            raise ValueError(f"not a spokefs AnnouncingSampler state: {state!r:.80}")
+        self.set_epoch(int(state["epoch"]))
+        position = int(state["position"])
+        self._resume = ({"position": position, "draw": state["draw"]}
+                        if position or state["draw"] is not None else None)
 
     def wait_announced(self, timeout: float | None = None) -> None:
         """Block until the last order was posted (tests; a readiness check)."""
@@ -106,6 +162,36 @@ class AnnouncingSampler(Sampler[int]):
             log.warning("could not announce epoch %d's order to the spoke (%s); "
                         "training goes on without the hint", self.epoch, exc)
             return None
+
+
+def _draw_state(sampler: object) -> dict[str, Any] | None:
+    """How the order ``sampler`` is about to draw can be drawn again: its generator's state,
+    torch's global one (a RandomSampler without a generator seeds itself from it), or nothing
+    (a sampler whose order follows from its seed and epoch, such as DistributedSampler, or a
+    fixed sequence)."""
+    import torch
+
+    gen = getattr(sampler, "generator", None)
+    if isinstance(gen, torch.Generator):
+        return {"generator": gen.get_state()}
+    if isinstance(sampler, torch.utils.data.RandomSampler):
+        return {"torch_rng": torch.get_rng_state()}
+    return None
+
+
+def _restore_draw(sampler: object, draw: dict[str, Any] | None) -> None:
+    import torch
+
+    if draw is None:
+        return
+    if "generator" in draw:
+        gen = getattr(sampler, "generator", None)
+        if not isinstance(gen, torch.Generator):
+            raise ValueError("the saved sampler state holds a generator's state, but this "
+                             "sampler has no generator: build it as it was built")
+        gen.set_state(draw["generator"])
+    elif "torch_rng" in draw:
+        torch.set_rng_state(draw["torch_rng"])
 
 
 class StepReporter:
