@@ -163,6 +163,22 @@ def test_every_route_answers_only_its_scope(servers, who: str) -> None:
                         assert token not in r.data.decode(), what  # never echoed
 
 
+def test_the_public_routes_are_these_and_the_probes_hold_no_data(servers) -> None:
+    """A route open to anyone is a deliberate choice: this list. The probes answer every
+    token, or none, on every worker, with nothing but ok."""
+    _, _, h, s, _ = servers
+    assert {(r.method, r.path) for r in ROUTES if r.scope is Scope.PUBLIC} == {
+        ("GET", "/v1/openapi.json"), ("GET", "/healthz"), ("GET", "/readyz"), ("GET", "/ui"),
+        ("GET", "/ui/"), ("GET", "/ui/app.js"), ("GET", "/ui/style.css")}
+    for base in (s.url, h.url):
+        for path in ("/healthz", "/readyz"):
+            for who, token in TOKENS.items():
+                for _ in range(TRIES if base == s.url else 1):
+                    r = call("GET", base + path, token)
+                    assert (r.status, json.loads(r.data)) == (200, {"ok": True}), (who, path)
+                    assert r.headers["Cache-Control"] == "no-store"
+
+
 def test_requests_a_replica_forwards_are_checked_by_the_primary(servers) -> None:
     _, _, _, s, _ = servers
     blocks = {"blocks": [["0" * 32, 0]]}

@@ -42,7 +42,7 @@ from spokefs.wire.backend import (
     Segment,
 )
 
-RESERVED_NAMES = {"v1", "metrics"}
+RESERVED_NAMES = {"v1", "metrics", "healthz", "readyz"}
 OPEN_FILES = 1024      # files kept open between reads
 REFRESH_EVERY = 1.0    # seconds between checks for a snapshot made by another process
 
@@ -55,6 +55,7 @@ class SnapshotState(Protocol):
     def snapshots(self) -> list[SnapshotInfo]: ...
     def resolve(self, snap: str) -> SnapshotInfo: ...
     def manifest_path(self, snap_id: str) -> Path: ...
+    def usable(self) -> str | None: ...  # blocking; None: reads can use it
 
 
 class PublishedSnapshots:
@@ -67,6 +68,16 @@ class PublishedSnapshots:
 
     def _state(self, name: str) -> SnapshotState:
         raise NotImplementedError
+
+    def _ledgers(self) -> list[SnapshotState]:
+        raise NotImplementedError
+
+    async def ready(self) -> str | None:
+        """``/readyz`` (``wire.backend.Ready``): every dataset's state open and answering."""
+        def check() -> str | None:
+            return next((r for r in (st.usable() for st in self._ledgers()) if r), None)
+
+        return await asyncio.to_thread(check)
 
     async def dataset(self, name: str) -> DatasetInfo:
         st = self._state(name)
@@ -122,6 +133,9 @@ class HubBackend(PublishedSnapshots):
 
     async def datasets(self) -> list[DatasetInfo]:
         return [await self.dataset(n) for n in sorted(self.states)]
+
+    def _ledgers(self) -> list[HubState]:  # type: ignore[override]
+        return list(self.states.values())
 
     def _stored(self, name: str, version: str) -> StoredFile:
         st = self._state(name)

@@ -263,6 +263,9 @@ class BucketBackend(PublishedSnapshots):
     async def datasets(self) -> list[DatasetInfo]:
         return [await self.dataset(self.st.name)]
 
+    def _ledgers(self) -> list[BucketState]:  # type: ignore[override]
+        return [self.st]  # the bucket itself is asked only by reads (a probe costs no GET)
+
     async def digests(self, name: str, versions: list[str]) -> dict[str, object]:
         """A bucket's version ids name a listing, not content (``content_ids`` false): they
         commit to no digests, so there are none to give."""

@@ -244,6 +244,23 @@ class SnapshotLedger:
         finally:
             self._db_lock.release()
 
+    def usable(self) -> str | None:
+        """None when reads can use this ledger (``/readyz``): its database is open and
+        answers, and its manifests' folder is there; else a generic reason. Blocking (a
+        stat and a query): for a thread."""
+        if self._db is None:
+            return "a dataset's state is not open"
+        if not (self.state_dir / "manifests").is_dir():
+            return "a dataset's state folder is gone"
+        if self._db_lock.acquire(blocking=False):  # held: a scan commits, so it answers
+            try:
+                self._db.execute("PRAGMA data_version").fetchone()
+            except sqlite3.Error:
+                return "a dataset's state database fails"
+            finally:
+                self._db_lock.release()
+        return None
+
     def snapshots(self) -> list[SnapshotInfo]:
         return self._view.snaps
 
@@ -323,6 +340,12 @@ class HubState(SnapshotLedger):
         with self._db_lock:
             self._load_locked()
         return self
+
+    def usable(self) -> str | None:
+        """The ledger's check, and the dataset's folder still a folder."""
+        if not self.root.is_dir():
+            return "a dataset's folder is gone"
+        return super().usable()
 
     def _connect(self, check_same_thread: bool = True) -> sqlite3.Connection:
         db = sqlite3.connect(self.state_dir / "state.sqlite", check_same_thread=check_same_thread,

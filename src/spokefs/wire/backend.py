@@ -130,6 +130,24 @@ class Backend(Protocol):
                           ) -> list[BlockPart]: ...  # whole blocks, a part per (version, idx)
     async def create_snapshot(self, name: str) -> dict[str, object]: ...
     async def status(self) -> dict[str, object]: ...
+    # Optional (``Ready``): whether it can serve now, for ``/readyz``.
+
+
+class Ready(Protocol):
+    """A backend that can tell whether it is ready to serve (``GET /readyz``, what an
+    orchestrator's readiness probe asks). Optional: a backend without it is ready whenever
+    its server answers."""
+
+    async def ready(self) -> str | None:
+        """None when ready; else a short, generic reason (no dataset, path, address or
+        figure: anyone may ask, without a token)."""
+        ...
+
+
+async def readiness(backend: object) -> str | None:
+    """``backend.ready()`` where the backend has it; None (ready) where it has not."""
+    ready = getattr(backend, "ready", None)
+    return None if ready is None else await ready()
 
 
 class ManifestMemo:

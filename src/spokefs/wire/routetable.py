@@ -9,8 +9,8 @@ way in), and a request that matches none is answered 404 by aiohttp after its to
 checked, never forwarded.
 
 Scopes:
-- ``public``: no token; the dashboard's static files and the OpenAPI document. Nothing in
-  them names a dataset, a path or a figure.
+- ``public``: no token; the dashboard's static files, the OpenAPI document and the probes
+  (``/healthz``, ``/readyz``). Nothing in them names a dataset, a path or a figure.
 - ``token``: any token the server knows; the answer holds only what the token may read
   (``/v1/datasets``, ``/v1/status``, the root index, ``/metrics``).
 - ``read``: read of the dataset the path names (``{ds}``, or the dataset of ``{ref}``).
@@ -102,6 +102,12 @@ ROUTES: tuple[Route, ...] = (
     # Every server's (wire.server.Api).
     Route("GET", "/v1/openapi.json", "openapi", Scope.PUBLIC, _A,
           summary="this document"),
+    # Probes (before "/{ref}", which would take them): no token, no data in the answer.
+    # Each worker's own loop answers /healthz; /readyz is the spoke's (its primary's) state.
+    Route("GET", "/healthz", "healthz", Scope.PUBLIC, _A, ok=(200, 503),
+          summary="liveness: the event loop answers in time (503: it lags)"),
+    Route("GET", "/readyz", "readyz", Scope.PUBLIC, _A, primary=True, ok=(200, 503),
+          summary="readiness: the upstream or the cache is usable (hub: its datasets)"),
     Route("GET", "/metrics", "metrics", Scope.TOKEN, _A, primary=True,
           summary="Prometheus metrics"),
     Route("GET", "/v1/status", "status", Scope.TOKEN, _A, primary=True,
@@ -266,6 +272,10 @@ BODIES: dict[str, dict[str, object]] = {
 _ERROR = _object({"error": _object({"code": {"type": "string"}, "message": {"type": "string"}},
                                    "code", "message")}, "error")
 _ERROR_REF = {"application/json": {"schema": {"$ref": "#/components/schemas/error"}}}
+# A probe's answer (``wire.server``): ok, and when not, a generic reason; nothing else.
+_PROBE = _object({"ok": _FLAG, "reason": {"type": "string", "maxLength": 200}}, "ok",
+                 additionalProperties=False)
+_PROBES = {"healthz", "readyz"}
 _STATUSES = {
     200: "ok", 201: "created", 202: "accepted: under way", 206: "the range asked for",
     301: "moved: the folder's URL ends in /", 302: "found: the page is at /ui/",
@@ -294,8 +304,15 @@ def _answers(r: Route, body: bool) -> dict[str, object]:
         codes |= {416}
     if r.job:
         codes |= {429}
-    return {str(c): {"description": _STATUSES[c], **({"content": _ERROR_REF} if c >= 400 else {})}
-            for c in sorted(codes)}
+    out: dict[str, object] = {
+        str(c): {"description": _STATUSES[c], **({"content": _ERROR_REF} if c >= 400 else {})}
+        for c in sorted(codes)}
+    if r.handler in _PROBES:  # ok or not, the probe's own document (503: also overloaded)
+        out["200"] = {"description": "ok", "content": {"application/json": {"schema": _PROBE}}}
+        out["503"] = {"description": "not live or not ready, with a generic reason; or "
+                      "overloaded", "content": {"application/json": {"schema": {"anyOf": [
+                          _PROBE, {"$ref": "#/components/schemas/error"}]}}}}
+    return out
 
 
 def openapi(owners: Iterable[Owner], title: str) -> dict[str, object]:
