@@ -7,16 +7,32 @@ import json
 import sys
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from spokefs.units import format_size, parse_duration
+
+if TYPE_CHECKING:
+    from spokefs.client.control import Missing
+
+DEFAULT_WARM_TIMEOUT = 3600.0  # seconds `warm --wait` waits unless told (a script never hangs)
+EXIT_TOO_LARGE = 3             # `warm`: the set is larger than the room for it
+EXIT_TIMEOUT = 124             # `warm --wait`: --timeout passed (as timeout(1) says it)
 
 
 def register(sub: argparse._SubParsersAction) -> None:
     warm = sub.add_parser(
         "warm", help="fill a spoke with a working set before the accelerators are billed",
-        description="Fetch files into a spoke's cache in the background, with a progress bar. "
-        "URL is http://spoke:port/<dataset>[@<snapshot>][/<folder>].")
+        description="Ask a spoke to fetch files into its cache; it fetches them in the "
+        "background, behind its readers. Without --wait the command returns once the spoke "
+        "has accepted the warm-up (`--check` then says how far it got); with --wait it shows "
+        "a progress bar (on a terminal) and returns when every byte is resident. A set larger "
+        "than the cache (or than the dataset's share of it) is refused unless --force. "
+        "URL is http://spoke:port/<dataset>[@<snapshot>][/<folder>].",
+        epilog="Exit status: 0 done (or accepted, without --wait; all resident, with "
+        "--check); 1 some files not resident once the warm-up ended (named: their blocks "
+        "failed or were evicted; the spoke's log says why), or not all resident (--check); "
+        f"2 an error; {EXIT_TOO_LARGE} the set is larger than the room for it (--force to "
+        f"warm anyway); {EXIT_TIMEOUT} --timeout passed (the spoke goes on warming).")
     warm.add_argument("url", metavar="URL")
     g = warm.add_mutually_exclusive_group()
     g.add_argument("--paths", type=Path, metavar="FILE", help="file with one path per line")
@@ -24,8 +40,17 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="an announced-order file (one path per line, in reading order)")
     warm.add_argument("path", nargs="*", help="paths inside the dataset (default: all of URL)")
     warm.add_argument("--pin", action="store_true", help="keep these files resident")
-    warm.add_argument("--wait", action="store_true", help="return once everything is resident")
-    warm.add_argument("--timeout", type=parse_duration, help="give up waiting after this long")
+    warm.add_argument("--wait", action="store_true",
+                      help="follow the warm-up (a progress bar) until everything is resident")
+    warm.add_argument("--timeout", type=parse_duration, default=DEFAULT_WARM_TIMEOUT,
+                      help="with --wait: give up waiting after this long (default "
+                      f"{DEFAULT_WARM_TIMEOUT / 3600:g}h; 0: wait for as long as it takes)")
+    warm.add_argument("--force", action="store_true",
+                      help="warm a set larger than the cache (or the dataset's share of it): "
+                      "its first blocks are evicted to make room for the last")
+    warm.add_argument("--check", action="store_true",
+                      help="warm nothing: say how much of the set is resident, naming the "
+                      "first files that are not; exit 0 only when all of it is")
     warm.set_defaults(func=_warm)
 
     status = sub.add_parser("status", help="show a hub's or spoke's state",
@@ -100,7 +125,7 @@ def _read_list(path: Path) -> list[str]:
 
 
 def _warm(args: argparse.Namespace) -> int:
-    from spokefs.client.control import SpokeControl
+    from spokefs.client.control import SpokeControl, WarmIncomplete, WarmTimedOut
     from spokefs.client.urls import parse_url
 
     u = parse_url(args.url)
@@ -110,15 +135,55 @@ def _warm(args: argparse.Namespace) -> int:
         paths = _read_list(args.paths or args.order)
     elif args.path:
         paths = [p.strip("/") for p in args.path]
-    r = ctl.warm(paths=paths, prefix=None if paths else u.path, pin=args.pin, wait=args.wait,
-                 timeout=args.timeout)
+    prefix = None if paths else u.path
+    if args.check:
+        r = ctl.residency(paths, prefix)
+        print(_resident(r))
+        if r["resident_bytes"] >= r["bytes"]:
+            return 0
+        print(_missing_line(ctl.missing(paths, prefix)), file=sys.stderr)
+        return 1
+    fit = ctl.fit(paths, prefix)
+    if not fit.fits:
+        assert fit.room is not None
+        what = (f"the set is {format_size(fit.bytes)}, larger than {fit.limit} "
+                f"({format_size(fit.room)}): warming it would evict its own first blocks")
+        if not args.force:
+            print(f"spokefs: warm refused: {what}; name fewer files, or say --force",
+                  file=sys.stderr)
+            return EXIT_TOO_LARGE
+        print(f"spokefs: warning: {what} (--force)", file=sys.stderr)
+    try:
+        r = ctl.warm(paths=paths, prefix=prefix, pin=args.pin, wait=args.wait,
+                     progress=None, timeout=args.timeout or None)
+    except WarmTimedOut as exc:
+        print(f"spokefs: {exc}; the spoke goes on warming (`spokefs warm --check` shows how "
+              "far it got)", file=sys.stderr)
+        return EXIT_TIMEOUT
+    except WarmIncomplete as exc:
+        print(_resident(exc.residency))
+        print(f"spokefs: warm-up ended, {_missing_line(exc.missing)}; their blocks failed "
+              "or were evicted again (the spoke's log says why)", file=sys.stderr)
+        return 1
     if args.wait:
-        print(f"resident: {r['resident_files']}/{r['files']} files, "
-              f"{format_size(r['resident_bytes'])} of {format_size(r['bytes'])}")
+        print(_resident(r))
     else:
         print(f"warming {r['files']} files ({format_size(r['bytes'])}), "
-              f"{r['blocks_to_fetch']} blocks to fetch; `spokefs warm --wait` to follow")
+              f"{r['blocks_to_fetch']} blocks to fetch; `spokefs warm --wait` to follow, "
+              "`spokefs warm --check` to see how far it got")
     return 0
+
+
+def _resident(r: dict[str, Any]) -> str:
+    return (f"resident: {r['resident_files']}/{r['files']} files, "
+            f"{format_size(r['resident_bytes'])} of {format_size(r['bytes'])}")
+
+
+def _missing_line(missing: Missing) -> str:
+    names = ", ".join(f"{p} ({format_size(n)} missing)" for p, n in missing.named)
+    more = missing.files - len(missing.named)
+    return (f"{missing.files} files not resident ({format_size(missing.bytes)}): {names}"
+            + (f" and {more} more" if more > 0 else ""))
 
 
 def _inventory(args: argparse.Namespace) -> int:
