@@ -6,8 +6,9 @@ from pathlib import Path
 
 from aiohttp import web
 
+from spokefs.spoke.config import SpokeConfig
 from spokefs.spoke.routes import SpokeRoutes
-from spokefs.spoke.service import SpokeBackend, SpokeConfig
+from spokefs.spoke.service import SpokeBackend
 from spokefs.spoke.tier import peer_middleware
 from spokefs.wire.authz import JobOwners
 from spokefs.wire.routetable import Owner
@@ -21,7 +22,7 @@ def build_spoke_app(backend: SpokeBackend) -> web.Application:
                     auth=Path(auth) if auth else None, jobs=JobOwners(), audit=backend.audit,
                     internal_key=lambda: backend.store.key,
                     batch_memory=backend.config.batch_memory)
-    app[RELOAD_KEY] = [backend.reload_dataset_rules]
+    app[RELOAD_KEY] = [backend.dataset_rules.reload]
     if backend.tier is not None:  # innermost: after the token was checked
         app.middlewares.append(peer_middleware)
 

@@ -28,7 +28,11 @@ from typing import Any
 
 from spokefs.errors import ConfigError
 from spokefs.procs import Child, StartError, cli, die_with_parent
-from spokefs.spoke.service import SpokeConfig
+from spokefs.spoke.config import (  # replica_sockets: importable from here too
+    SpokeConfig,
+    replica_sockets,
+    worker_socket,
+)
 
 log = logging.getLogger(__name__)
 
@@ -190,7 +194,7 @@ def run_worker(role: str, index: int, listen_fd: int, unix_path: str, config_raw
         backend = ReplicaBackend(Path(unix_path), config.deadline, config.latest_ttl,
                                  config.read_window)
         # Its own socket, where the primary asks it for its counts before a scrape.
-        mine = str(config.cache_dir / f"worker-{index}.sock")
+        mine = str(worker_socket(config.cache_dir, index))
         auth = Path(config.auth) if config.auth else None
         # Its own audit file: rotating one file from several processes would lose lines.
         from spokefs.audit import Audit, worker_file
@@ -204,6 +208,3 @@ def run_worker(role: str, index: int, listen_fd: int, unix_path: str, config_raw
                                   "spoke-worker", sock=sock, unix_path=mine, tls=config.tls()))
     return 0
 
-
-def replica_sockets(cache_dir: Path) -> list[Path]:
-    return sorted(cache_dir.glob("worker-*.sock"))
