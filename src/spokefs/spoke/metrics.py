@@ -4,11 +4,16 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Iterator
+from typing import TYPE_CHECKING
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
 from spokefs.spoke.jobsignal import JobSignal
+
+if TYPE_CHECKING:  # for the types only: this module stays as light as prometheus_client
+    from spokefs.cache.store import BlockStore
+    from spokefs.spoke.fetchqueue import FetchQueue
 
 
 class SpokeMetrics:
@@ -66,6 +71,20 @@ class SpokeMetrics:
         self.warm_done_blocks = Counter("spokefs_warm_done_blocks", "Blocks of warm-ups "
                                         "whose fetch ended (resident, or failed)", ["dataset"],
                                         registry=r)
+
+    def watch(self, store: BlockStore, queue: FetchQueue, prefetch_window: int) -> None:
+        """Count the store's events and read its state, and the fetch queue's, at scrape
+        time (``prefetch_window``: the window shown while pacing has not measured one)."""
+        ev = store.events
+        ev.on_evict = self.evictions.inc
+        ev.on_corrupt = lambda: self.integrity_failures.labels("cache").inc()
+        ev.on_write_error = lambda reason: self.write_errors.labels(reason).inc()
+        ev.on_prefetch_used = self.prefetch_used_bytes.inc
+        self.cache_capacity.set(store.capacity)
+        self.cache_bytes.set_function(lambda: store.data_bytes)
+        self.cache_writable.set_function(lambda: 1 if store.writable else 0)
+        self.inflight.set_function(lambda: queue.active)
+        self.prefetch_window.set_function(lambda: queue.prefetch_window or prefetch_window)
 
 
 class JobMetrics:

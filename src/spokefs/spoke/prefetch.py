@@ -24,6 +24,7 @@ from spokefs import planner as pl
 from spokefs.manifest import Manifest
 from spokefs.planner.interpreter import Cache, Interpreter
 from spokefs.policy import BlockKey
+from spokefs.wire.backend import ReadContext
 
 log = logging.getLogger(__name__)
 
@@ -92,6 +93,13 @@ class PrefetchDriver:
                 reader: str, job: str) -> None:
         self.interp.handle(pl.Read(dataset, path, version, size, start, end - start,
                                    reader_id=reader, job=job, now=self.loop_time), dataset)
+
+    def heard(self, dataset: str, version: str, start: int, end: int, ctx: ReadContext) -> None:
+        """A read served here or by another process on this host (``spoke.reads``,
+        ``spoke.local``): the file is the context's, else looked up by version."""
+        known = (ctx.path, ctx.size) if ctx.path is not None else self.path_of(dataset, version)
+        if known is not None and known[1] is not None:
+            self.on_read(dataset, known[0], version, known[1], start, end, ctx.reader, ctx.job)
 
     def fetch_finished(self, key: BlockKey, resident: bool) -> None:
         self.interp.finished(key, resident)

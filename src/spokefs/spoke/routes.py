@@ -233,7 +233,11 @@ class SpokeRoutes:
         m = await self._manifest(ds, doc)
         # Checked whole before the planner sees it: a bad entry leaves no order behind.
         epoch, files, ranges = parse_order(m, doc)
-        self.backend.announce(m, job, epoch, files, ranges)
+        prefetch = self.backend.prefetch  # the planner, unless --no-prefetch
+        if prefetch is None:
+            raise BadRequest("this spoke runs without prefetch (--no-prefetch)")
+        prefetch.use_manifest(m)
+        prefetch.announce(m.dataset, job, epoch, files, ranges)
         return web.json_response({"dataset": ds, "snapshot": m.snapshot, "job": job,
                                   "files": len(files),
                                   "bytes": sum(m.sizes[i] for i in files)})
@@ -241,7 +245,8 @@ class SpokeRoutes:
     async def epoch(self, request: web.Request) -> web.Response:
         ds, job = check_dataset_name(request.match_info["ds"]), _job(request)
         epoch = (await _body(request)).integer("epoch")
-        self.backend.epoch(ds, job, epoch)
+        if self.backend.prefetch is not None:
+            self.backend.prefetch.epoch(ds, job, epoch)
         return web.json_response({"dataset": ds, "job": job, "epoch": epoch})
 
     async def steps(self, request: web.Request) -> web.Response:
@@ -257,7 +262,8 @@ class SpokeRoutes:
 
     async def end_job(self, request: web.Request) -> web.Response:
         ds, job = check_dataset_name(request.match_info["ds"]), _job(request)
-        self.backend.end_job(ds, job)
+        if self.backend.prefetch is not None:
+            self.backend.prefetch.job_ended(ds, job)
         return web.json_response({"dataset": ds, "job": job, "ended": True})
 
     async def warm(self, request: web.Request) -> web.Response:
@@ -266,12 +272,12 @@ class SpokeRoutes:
         pin = doc.flag("pin")
         m = await self._manifest(ds, doc)
         files = select_files(m, doc)
-        plan = self.backend.warm(m, files, pin=pin)
+        plan = self.backend.warmups.warm(m, files, pin=pin)
         return web.json_response({"dataset": ds, "snapshot": m.snapshot, **plan}, status=202)
 
     async def inventory(self, request: web.Request) -> web.Response:
-        """What the spoke holds: per dataset and snapshot (``SpokeBackend.inventory``)."""
-        return web.json_response({"datasets": await self.backend.inventory()})
+        """What the spoke holds: per dataset and snapshot (``spoke.warmup.Warmups.inventory``)."""
+        return web.json_response({"datasets": await self.backend.warmups.inventory()})
 
     async def unpin(self, request: web.Request) -> web.Response:
         """Release warm-up pins of the selected files (same selection as ``warm``)."""
@@ -280,7 +286,7 @@ class SpokeRoutes:
         m = await self._manifest(ds, doc)
         files = select_files(m, doc)
         return web.json_response({"dataset": ds, "snapshot": m.snapshot,
-                                  **self.backend.unpin_warm(m, files)})
+                                  **self.backend.warmups.unpin(m, files)})
 
     async def residency(self, request: web.Request) -> web.Response:
         ds = check_dataset_name(request.match_info["ds"])
@@ -288,7 +294,7 @@ class SpokeRoutes:
         m = await self._manifest(ds, doc)
         files = select_files(m, doc)
         return web.json_response({"dataset": ds, "snapshot": m.snapshot,
-                                  **await self.backend.residency(m, files)})
+                                  **await self.backend.warmups.residency(m, files)})
 
     async def locate(self, request: web.Request) -> web.Response:
         """``{"blocks": [[version, index], ...], "fetch"?: bool, "damaged"?: bool, "read"?:
@@ -306,10 +312,10 @@ class SpokeRoutes:
         if read is not None:
             ctx, span = _read_context(read)
         if damaged:  # a reader found these bytes wrong: check, drop if so
-            self.backend.recheck(keys)
+            self.backend.local.recheck(keys)
         self._snapshots_used(ds, doc)
-        blocks = await self.backend.locate(ds, keys, fetch, ctx, span)
-        return web.json_response({"cache": self.backend.cache_info(), "blocks": blocks,
+        blocks = await self.backend.local.locate(ds, keys, fetch, ctx, span)
+        return web.json_response({"cache": self.backend.local.cache_info(), "blocks": blocks,
                                   **self._news(ds, since)})
 
     async def reads(self, request: web.Request) -> web.Response:
@@ -335,12 +341,12 @@ class SpokeRoutes:
             left -= end - start
             reads.append((r[0], start, end, ctx))
         self._snapshots_used(ds, doc)
-        self.backend.reads_elsewhere(ds, reads, by_mount=by == "mount", extra_bytes=extra)
+        self.backend.local.reads_elsewhere(ds, reads, by_mount=by == "mount", extra_bytes=extra)
         return web.json_response({"reads": len(reads), **self._news(ds, since)})
 
     def _snapshots_used(self, ds: str, doc: Fields) -> None:
         """``"snapshots": [id, ...]`` in a locate or reads body: the reader (a mount, a
-        replica worker) uses them, so their files stay cached (``retire_stale``)."""
+        replica worker) uses them, so their files stay cached (``spoke.retention``)."""
         snaps = doc.items("snapshots", str, "snapshot ids", MAX_KEEP)
         if snaps:
             self.backend.snapshots_used(ds, [check_snapshot_id(s) for s in snaps])
@@ -352,7 +358,7 @@ class SpokeRoutes:
         return doc.integer("since") if doc.has("since") else None
 
     def _news(self, ds: str, since: int | None) -> dict[str, object]:
-        return {} if since is None else {"news": self.backend.news(ds, since)}
+        return {} if since is None else {"news": self.backend.local.news(ds, since)}
 
     async def counts(self, request: web.Request) -> web.Response:
         """What a replica worker counted since it last said (its served bytes; hits and
@@ -361,7 +367,7 @@ class SpokeRoutes:
         if len(doc.doc) > 64:
             raise BadRequest(f"counts name at most 64 counters, not {len(doc.doc)}")
         counts = {k: doc.integer(k) for k in doc.doc}
-        self.backend.add_counts(counts)
+        self.backend.local.add_counts(counts)
         return web.json_response({})
 
     async def purge(self, request: web.Request) -> web.Response:
@@ -378,7 +384,7 @@ class SpokeRoutes:
             m = await self._manifest(ds, doc)
             paths = doc.items("paths", str, "file or folder paths", MAX_LISTED) or []
             versions = {m.versions[i] for p in paths for i in _files_under(m, p)}
-            freed = await self.backend.purge_versions(ds, versions)
+            freed = await self.backend.retention.purge_versions(ds, versions)
             return web.json_response({"dataset": ds, "files": len(versions),
                                       "freed_bytes": freed})
         keep = doc.items("keep", str, 'snapshot ids or "latest"', MAX_KEEP)
@@ -386,5 +392,5 @@ class SpokeRoutes:
             if not keep:
                 raise BadRequest('"keep" must be a non-empty list of snapshot ids or "latest"')
             keep = [check_snapshot_id(k) for k in keep]
-        freed = await self.backend.purge(ds, keep)
+        freed = await self.backend.retention.purge(ds, keep)
         return web.json_response({"dataset": ds, "freed_bytes": freed})

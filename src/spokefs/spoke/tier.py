@@ -56,15 +56,30 @@ Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
 log = logging.getLogger(__name__)
 
-# Set (to "demand" or "prefetch") while a request marked X-Spokefs-Peer is being handled: the
-# spoke then serves its blocks from the cache or the upstream only (spoke.app sets it).
-PEER_REQUEST: contextvars.ContextVar[str | None] = contextvars.ContextVar(
-    "spokefs_peer_request", default=None)
 PEER_KINDS = ("demand", "prefetch", "copy")  # copy: from the cache only (a handoff)
-# The asking member's URL (``X-Spokefs-Member``), while its request is handled: it lacks the
-# blocks it asks for, so a handoff for them does not ask it back.
-PEER_FROM: contextvars.ContextVar[str | None] = contextvars.ContextVar(
-    "spokefs_peer_from", default=None)
+
+
+@dataclass(frozen=True, slots=True)
+class Peer:
+    """A batch read another member sent (``X-Spokefs-Peer``): served from the cache or the
+    upstream only, never a third member (``demand``, or ``prefetch`` at a prefetch's
+    priority), or from the cache only (``copy``: a handoff). ``member``: the asker's URL
+    (``X-Spokefs-Member``): it lacks the blocks it asks for, so a handoff for them does not
+    ask it back."""
+
+    kind: str
+    member: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.kind not in PEER_KINDS:
+            raise BadRequest(f"{H_PEER} must be one of {', '.join(PEER_KINDS)}, not "
+                             f"{self.kind[:40]!r}")
+
+
+# The marked request being handled (``peer_middleware``), for the spoke's batch reads until
+# ``wire.server.Api`` hands the request's ``Peer`` to ``read_blocks`` as an argument.
+PEER_REQUEST: contextvars.ContextVar[Peer | None] = contextvars.ContextVar(
+    "spokefs_peer_request", default=None)
 
 
 @dataclass(frozen=True, slots=True)
@@ -390,23 +405,30 @@ def make_lookup(config_dns: str | None, config_kubernetes: str | None,
     return None, "static"
 
 
-@web.middleware
-async def peer_middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
-    """Marks a request another member sent (``X-Spokefs-Peer``) for the spoke's batch reads:
-    they are then served from the cache or the upstream only (``PEER_REQUEST``)."""
+def request_peer(request: web.Request) -> Peer | None:
+    """The ``Peer`` a request's ``X-Spokefs-Peer`` and ``X-Spokefs-Member`` describe (None:
+    not a member's); a bad one is a 400."""
     kind = request.headers.get(H_PEER)
     if kind is None:
-        return await handler(request)
-    if kind not in PEER_KINDS:
-        raise BadRequest(f"{H_PEER} must be one of {', '.join(PEER_KINDS)}, not {kind[:40]!r}")
+        return None
+    Peer(kind)  # the kind is checked first
     asker = request.headers.get(H_MEMBER)
     try:
         asker = normalise_url(asker) if asker else None
     except (ConfigError, ValueError):
         raise BadRequest(f"{H_MEMBER} must be a member's URL") from None
-    mark, mark_from = PEER_REQUEST.set(kind), PEER_FROM.set(asker)
+    return Peer(kind, asker)
+
+
+@web.middleware
+async def peer_middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
+    """Marks a request another member sent (``X-Spokefs-Peer``) for the spoke's batch reads:
+    they are then served from the cache or the upstream only (``PEER_REQUEST``)."""
+    peer = request_peer(request)
+    if peer is None:
+        return await handler(request)
+    mark = PEER_REQUEST.set(peer)
     try:
         return await handler(request)
     finally:
         PEER_REQUEST.reset(mark)
-        PEER_FROM.reset(mark_from)
