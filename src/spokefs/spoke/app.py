@@ -18,7 +18,7 @@ from spokefs.wire.server import RELOAD_KEY, build_app
 
 def build_spoke_app(backend: SpokeBackend) -> web.Application:
     auth = backend.config.auth
-    app = build_app(backend, {Owner.SPOKE: SpokeRoutes(backend)},
+    app = build_app(backend, {Owner.SPOKE: SpokeRoutes(backend)}, counts=backend,
                     auth=Path(auth) if auth else None, jobs=JobOwners(), audit=backend.audit,
                     internal_key=lambda: backend.store.key,
                     batch_memory=backend.config.batch_memory)

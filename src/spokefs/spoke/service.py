@@ -46,7 +46,7 @@ from spokefs.spoke.metrics import JobMetrics, SpokeMetrics
 from spokefs.spoke.prefetch import PrefetchDriver
 from spokefs.spoke.reads import Counts, Reads
 from spokefs.spoke.retention import Retention
-from spokefs.spoke.tier import PEER_REQUEST, Peer
+from spokefs.spoke.tier import Peer
 from spokefs.spoke.warmup import Held, Warmups
 from spokefs.tasks import Tasks
 from spokefs.wire.backend import (
@@ -214,10 +214,9 @@ class SpokeBackend:
     async def read_blocks(self, name: str, blocks: list[tuple[str, int]],
                           peer: Peer | None = None) -> list[BlockPart]:
         """Whole blocks for a downstream spoke (a batch read): fetched first where missing.
-        From another tier member (``peer``; ``X-Spokefs-Peer``, until the API passes it:
-        ``PEER_REQUEST``): from the cache or the upstream only, at the member's priority; a
-        member's handoff (``copy``): from the cache only."""
-        peer = peer if peer is not None else PEER_REQUEST.get()
+        From another tier member (``peer``, from ``X-Spokefs-Peer``): from the cache or the
+        upstream only, at the member's priority; a member's handoff (``copy``): from the
+        cache only."""
         blocks, refused = await bound_blocks(self.versions, name, blocks)
         parts = merge_parts(await self.reads.blocks(name, blocks, peer), refused)
         if peer is not None and self.tier is not None:
@@ -254,19 +253,33 @@ class SpokeBackend:
         """The API's served-bytes counter: replica workers' bytes are added to it."""
         self.local.served = served
 
-    @property
-    def served(self) -> Counter | None:  # what wire.server's Api sets today (attach_served)
-        return self.local.served
-
-    @served.setter
-    def served(self, counter: Counter | None) -> None:
-        self.local.served = counter
-
     async def before_scrape(self) -> None:
         """Every replica worker's counts gathered, so /metrics and /v1/status are exact."""
         await self.local.before_scrape()
 
     # -- operator view -----------------------------------------------------------------------
+    READY_UPSTREAM_S = 10.0  # an upstream answer counts as recent this long (/readyz)
+    _upstream_answered = -READY_UPSTREAM_S
+
+    async def ready(self) -> str | None:
+        """``/readyz`` (``wire.backend.Ready``): None while the cache folder is there and
+        holds blocks, or the upstream answers (asked within 1 s, at most every
+        ``READY_UPSTREAM_S`` while the cache is empty); else a generic reason. A cache that
+        cannot be written is not unready: reads pass through (its metric and alert say so)."""
+        if not await asyncio.to_thread(self.store.root.is_dir):
+            return "the cache folder is gone"
+        if self.store.data_bytes > 0:
+            return None
+        now = time.monotonic()
+        if now - self._upstream_answered < self.READY_UPSTREAM_S:
+            return None
+        try:
+            await asyncio.wait_for(self.upstream.get_json("/v1/datasets"), 1.0)
+        except Exception:  # any failure to ask it: not ready (the cause is in the status)
+            return "the upstream does not answer and nothing is cached"
+        self._upstream_answered = now
+        return None
+
     async def status(self) -> dict[str, object]:
         await self.before_scrape()
         c, q = self.counts, self.fetcher.queue

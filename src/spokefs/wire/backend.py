@@ -14,7 +14,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
 from dataclasses import dataclass, field
 from typing import BinaryIO, Protocol
 
-from prometheus_client import CollectorRegistry
+from prometheus_client import CollectorRegistry, Counter
 
 from spokefs.errors import NotFound, SpokeError
 from spokefs.manifest import Manifest
@@ -131,6 +131,20 @@ class Backend(Protocol):
     async def create_snapshot(self, name: str) -> dict[str, object]: ...
     async def status(self) -> dict[str, object]: ...
     # Optional (``Ready``): whether it can serve now, for ``/readyz``.
+
+
+class GathersCounts(Protocol):
+    """A backend whose served bytes and counters come from other processes too (a spoke's
+    replica workers): the API hands it its served-bytes counter and asks it to gather the
+    others' counts before each scrape of ``/metrics``."""
+
+    def attach_served(self, served: Counter) -> None: ...
+    async def before_scrape(self) -> None: ...
+
+
+# request[PEER_KEY]: the tier member a request came from (spoke.tier.peer_middleware sets
+# it), for the backend's batch reads.
+PEER_KEY = "spokefs.peer"
 
 
 class Ready(Protocol):

@@ -51,10 +51,12 @@ from spokefs.wire.authz import (
     well_formed,
 )
 from spokefs.wire.backend import (
+    PEER_KEY,
     Backend,
     BlockPart,
     DatasetInfo,
     FileSegment,
+    GathersCounts,
     LaterBlock,
     ReadContext,
     Segment,
@@ -376,8 +378,10 @@ class Api:
     """Route handlers. ``extra`` lets a role add its own routes (the spoke's hints, warm...)."""
 
     def __init__(self, backend: Backend, audit: Audit | None = None,
-                 batch_memory: int | None = None, health: LoopLag | None = None) -> None:
+                 batch_memory: int | None = None, health: LoopLag | None = None,
+                 counts: GathersCounts | None = None) -> None:
         self.backend = backend
+        self.counts = counts
         # This process's loop, as /healthz sees it (``build_app`` runs its ticker).
         self.health = health or LoopLag(None, HEALTH_TICK)
         # Batch reads' bytes held at once (None: not counted, for a hub's file segments);
@@ -388,8 +392,8 @@ class Api:
                                 ["route", "status"], registry=backend.registry)
         self.bytes_served = Counter("spokefs_served_bytes", "Body bytes sent to readers",
                                     registry=backend.registry)
-        if hasattr(backend, "served"):  # a spoke adds its replica workers' bytes here
-            backend.served = self.bytes_served
+        if counts is not None:  # a spoke adds its replica workers' bytes here
+            counts.attach_served(self.bytes_served)
         self._ok = self.requests.labels("object", "200")  # the children the hot path bumps
         self._partial = self.requests.labels("object", "206")
 
@@ -421,9 +425,8 @@ class Api:
 
     # -- JSON API ----------------------------------------------------------------------------
     async def metrics(self, request: web.Request) -> web.Response:
-        before = getattr(self.backend, "before_scrape", None)
-        if before is not None:  # a spoke gathers its replica workers' counts first
-            await before()
+        if self.counts is not None:  # a spoke gathers its replica workers' counts first
+            await self.counts.before_scrape()
         body = visible_metrics(generate_latest(self.backend.registry), request.get("token"))
         return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_LATEST})
 
@@ -527,7 +530,9 @@ class Api:
 
     async def _send_blocks(self, request: web.Request, ds: str, blocks: list[tuple[str, int]]
                            ) -> web.StreamResponse:
-        parts = await self.backend.read_blocks(ds, blocks)
+        peer = request.get(PEER_KEY)  # a tier member's batch read (spoke.tier)
+        parts = await (self.backend.read_blocks(ds, blocks) if peer is None
+                       else self.backend.read_blocks(ds, blocks, peer))  # type: ignore[call-arg]
         resp = web.StreamResponse(status=200, headers={"Content-Type": BLOCKS_TYPE})
         resp.content_length = sum(HEADER_SIZE + p.length for p in parts)
         nbytes = sum(p.length for p in parts if p.status == 200)
@@ -693,14 +698,16 @@ def build_app(backend: Backend, handlers: dict[Owner, Any] | None = None,
               forward: Callable | None = None, auth: Path | None = None,
               jobs: JobOwners | None = None, audit: Audit | None = None,
               internal_key: Callable[[], bytes | None] | None = None,
-              batch_memory: int | None = None) -> web.Application:
+              batch_memory: int | None = None,
+              counts: GathersCounts | None = None) -> web.Application:
     """The API over ``backend``, with the table's routes of ``handlers``' owners besides
     (``wire.routetable``: its routes and nothing else; ``forward``: a replica worker's, for
     the routes the primary answers). With ``auth`` (a token file), every request is checked
     against its route's scope (``wire.authz``). ``jobs``: where job owners are kept (the
     process that keeps jobs). ``internal_key``: the cache folder's key, for same-host readers
     of a spoke's cache. ``audit``: the audit log (closed with the app). ``batch_memory``:
-    bytes of batch reads held at once, all requests together (``ByteRoom``)."""
+    bytes of batch reads held at once, all requests together (``ByteRoom``). ``counts``: a
+    backend that gathers other processes' counts (``wire.backend.GathersCounts``)."""
     middlewares: list[Callable] = [errors_middleware, well_formed]
     tokens = TokenFile(auth) if auth is not None else None
     if tokens is not None:
@@ -712,7 +719,7 @@ def build_app(backend: Backend, handlers: dict[Owner, Any] | None = None,
     if tokens is not None:
         app[AUTH_KEY] = tokens
     app[BACKEND_KEY] = backend
-    api = Api(backend, audit, batch_memory)
+    api = Api(backend, audit, batch_memory, counts=counts)
     app.add_routes(bind({Owner.API: api, Owner.UI: ui, **(handlers or {})},
                         forward))
 
