@@ -6,8 +6,10 @@ from __future__ import annotations
 import json
 import os
 import select
+import signal
 import subprocess
 import sys
+import termios
 import time
 from pathlib import Path
 
@@ -198,11 +200,11 @@ def test_top_once_and_json_show_what_the_spoke_reports(spoke_server: ServerProce
 
 def test_live_view_in_a_terminal_quits_on_q(spoke_server: ServerProcess) -> None:
     master, slave = os.openpty()
+    before = termios.tcgetattr(slave)
     proc = subprocess.Popen([sys.executable, "-m", "spokefs.cli", "top", spoke_server.url,
                              "--interval", "0.3"], stdin=slave, stdout=slave, stderr=slave,
                             start_new_session=True, env={**os.environ, "COLUMNS": "120",
                                                          "LINES": "40"})
-    os.close(slave)
     seen = b""
     try:
         end = time.monotonic() + 60
@@ -211,6 +213,7 @@ def test_live_view_in_a_terminal_quits_on_q(spoke_server: ServerProcess) -> None
                 seen += os.read(master, 65536)
         assert b"hit ratio" in seen, seen[-2000:]
         assert b"\x1b[?1049h" in seen  # drawn on the alternate screen
+        assert termios.tcgetattr(slave)[3] & termios.ICANON == 0  # keys without Enter
         os.write(master, b"q")
         assert proc.wait(timeout=20) == 0
         while select.select([master], [], [], 0.2)[0]:
@@ -222,11 +225,40 @@ def test_live_view_in_a_terminal_quits_on_q(spoke_server: ServerProcess) -> None
                 break
             seen += chunk
         assert b"\x1b[?1049l" in seen  # and the terminal given back
+        assert termios.tcgetattr(slave) == before  # as it was: line mode, echo
     finally:
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+        os.close(slave)
         os.close(master)
+
+
+def test_piped_top_prints_plain_frames_one_after_another(spoke_server: ServerProcess) -> None:
+    """Not a terminal (a pipe, a log): frames of plain text, no escape codes, like top -b;
+    Ctrl-C ends it cleanly."""
+    proc = subprocess.Popen([sys.executable, "-m", "spokefs.cli", "top", spoke_server.url,
+                             "--interval", "0.2"], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE)
+    assert proc.stdout is not None
+    out = b""
+    try:
+        end = time.monotonic() + 60
+        while out.count(b"spokefs top  ") < 2 and time.monotonic() < end:
+            if select.select([proc.stdout], [], [], 1.0)[0]:
+                out += os.read(proc.stdout.fileno(), 65536)
+        assert out.count(b"spokefs top  ") >= 2, out[-2000:]
+        assert b"\x1b" not in out
+        first, second = out.decode().split("\n\n")[:2]
+        assert first.startswith(f"spokefs top  {spoke_server.url}") and "hit ratio" in first
+        assert "(last " in second  # the second frame has rates over the first
+        proc.send_signal(signal.SIGINT)
+        assert proc.wait(timeout=20) == 0
+        assert proc.stderr is not None and b"Traceback" not in proc.stderr.read()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
 
 
 def test_top_of_a_hub_is_a_clear_error(hub_server: ServerProcess, tmp_path: Path) -> None:

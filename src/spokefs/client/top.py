@@ -5,9 +5,12 @@ and CA bundle as every other command) into a ``Sample``. ``frame(sample, prev)``
 sample, and the one before it for rates, into a plain dict (what ``--json`` prints), and
 ``render(doc)`` into text; both are pure, so they are tested without a terminal or a spoke.
 
-Plain text and ANSI cursor moves rather than a TUI library: the view is a few tables that
-``spokefs.tables`` already draws, it must work in any terminal an operator reaches over SSH,
-and the one thing a library would add, reading ``q``, is a few lines of termios.
+In a terminal, rich draws the frame (``rich.live.Live``: the alternate screen, no cursor, the
+frame redrawn in place and cropped to the window as it is resized, the terminal given back on
+exit); piped or ``--once``, the same text is printed plain, one frame after another. rich
+reads no keys, so ``q`` is read here (the terminal in cbreak mode, a ``select`` with the
+refresh interval as its timeout): a full TUI framework (textual) would do that too, at three
+times rich's import cost and with an app model of its own, for one key.
 """
 
 from __future__ import annotations
@@ -15,10 +18,9 @@ from __future__ import annotations
 import json
 import os
 import select
-import shutil
 import sys
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any, TextIO
 
@@ -348,57 +350,71 @@ def read_sample(base: str, deadline: float = 5.0) -> Sample:
 
 
 # -- the live view ------------------------------------------------------------------------
+# Words that mean trouble, in red on a terminal (the text itself is render()'s, unchanged).
+_ALARM = r"\b(?:DOWN|down|suspect)\b|NOT WRITABLE|LIST NOT REFRESHED|cannot read"
+
+
 def run(base: str, interval: float = 2.0, once: bool = False, as_json: bool = False,
         out: TextIO = sys.stdout) -> int:
     """Show ``base``'s spoke until ``q`` (or Ctrl-C); ``once``/``as_json``: one frame."""
-    from spokefs.errors import ConfigError, SpokeError
-
     base = base.rstrip("/")
     if once or as_json:
         one = frame(read_sample(base))
         out.write(json.dumps(one, indent=2) + "\n" if as_json else render(one) + "\n")
         return 0
-    live = out.isatty()
-    keys = _Keys() if live else None
+    if not out.isatty():  # piped: one frame after another, like top -b
+        try:
+            for text in _frames(base):
+                out.write(text + "\n\n")
+                out.flush()
+                time.sleep(interval)
+        except KeyboardInterrupt:
+            pass
+        return 0
+    return _live(base, interval, out)
+
+
+def _frames(base: str) -> Iterator[str]:
+    """The text of each refresh, forever; a spoke that cannot be read (restarting, the
+    network) is noted on the last frame rather than ending the watch."""
+    from spokefs.errors import ConfigError, SpokeError
+
     prev: Sample | None = None
     doc: dict[str, Any] | None = None
-    if live:
-        out.write("\x1b[?1049h\x1b[?25l")  # the alternate screen, no cursor
+    while True:
+        note = ""
+        try:
+            s = read_sample(base)
+            doc, prev = frame(s, prev), s
+        except ConfigError:
+            raise  # not a spoke: no point watching
+        except (SpokeError, OSError) as exc:
+            note = f"cannot read {base}: {exc}"
+        yield note if doc is None else render(doc, note)
+
+
+def _live(base: str, interval: float, out: TextIO) -> int:
+    from rich.console import Console
+    from rich.live import Live
+    from rich.text import Text
+
+    console = Console(file=out, highlight=False, markup=False, emoji=False)
+    keys = _Keys()
     try:
-        while True:
-            note = ""
-            try:
-                s = read_sample(base)
-                doc, prev = frame(s, prev), s
-            except (SpokeError, OSError) as exc:  # a restart, the network: keep watching
-                if isinstance(exc, ConfigError):
-                    raise
-                note = f"cannot read {base}: {exc}"
-            text = note if doc is None else render(doc, note)
-            if live:
-                _draw(out, text)
-            else:  # piped: one frame after another, like top -b
-                out.write(text + "\n\n")
-            out.flush()
-            if keys is not None and keys.wait_for_quit(interval):
-                return 0
-            if keys is None:
-                time.sleep(interval)
+        with Live(console=console, screen=True, auto_refresh=False,
+                  vertical_overflow="crop") as live:
+            for text in _frames(base):
+                view = Text(text, no_wrap=True, overflow="crop")
+                view.stylize("bold", 0, text.find("\n") if "\n" in text else len(text))
+                view.highlight_regex(_ALARM, "bold red")
+                live.update(view, refresh=True)
+                if keys.wait_for_quit(interval):
+                    break
     except KeyboardInterrupt:
-        return 0
+        pass
     finally:
-        if keys is not None:
-            keys.restore()
-        if live:
-            out.write("\x1b[?25h\x1b[?1049l")
-            out.flush()
-
-
-def _draw(out: TextIO, text: str) -> None:
-    cols, rows = shutil.get_terminal_size()
-    lines = [line[:cols] for line in text.split("\n")][:rows]
-    # Home, each line cleared to its end, then the rest of the screen: no flicker.
-    out.write("\x1b[H" + "\x1b[K\n".join(lines) + "\x1b[K\x1b[J")
+        keys.restore()
+    return 0
 
 
 class _Keys:
@@ -406,7 +422,7 @@ class _Keys:
 
     def __init__(self) -> None:
         self.fd: int | None = None
-        self.saved: Any = None
+        self.saved: list[Any] | None = None
         if sys.stdin.isatty():
             import termios
             import tty
@@ -416,14 +432,13 @@ class _Keys:
             tty.setcbreak(self.fd)
 
     def wait_for_quit(self, timeout: float) -> bool:
-        """Wait up to ``timeout`` s; True once ``q`` is pressed."""
+        """Wait up to ``timeout`` s; True once ``q`` is pressed (or stdin ends)."""
         if self.fd is None:
             time.sleep(timeout)
             return False
         end = time.monotonic() + timeout
         while (left := end - time.monotonic()) > 0:
-            ready, _, _ = select.select([self.fd], [], [], left)
-            if not ready:
+            if not select.select([self.fd], [], [], left)[0]:
                 return False
             ch = os.read(self.fd, 32)
             if not ch or b"q" in ch.lower():
@@ -431,7 +446,8 @@ class _Keys:
         return False
 
     def restore(self) -> None:
-        if self.fd is not None:
+        if self.fd is not None and self.saved is not None:
             import termios
 
             termios.tcsetattr(self.fd, termios.TCSADRAIN, self.saved)
+            self.fd = None
