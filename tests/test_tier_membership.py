@@ -1,10 +1,13 @@
 """Tier membership (spokefs.tier.membership): up, suspect and down from request outcomes, with a
-fake clock; and the member sources (spokefs.tier.sources): static lists, DNS, EndpointSlices."""
+fake clock; and the member sources (spokefs.tier.sources): static lists, DNS, EndpointSlices
+(parsed, listed once, and watched against a stand-in for the API server)."""
 
 from __future__ import annotations
 
+import itertools
 import json
 import socket
+import time
 
 import pytest
 
@@ -142,8 +145,8 @@ def test_dns_resolves_localhost():
 # What `GET /apis/discovery.k8s.io/v1/namespaces/ml/endpointslices?labelSelector=
 # kubernetes.io/service-name=spokefs-spoke` returns for a StatefulSet of three spokes behind
 # their headless Service, one of them not ready and one terminating (trimmed of
-# managedFields). The API server itself is something we cannot start here, so the I/O part
-# (sources.fetch_endpointslices) is not run by the tests; this parses its answer.
+# managedFields); this parses it. The I/O (a list, a watch) runs against tests/kube_api.py
+# further down.
 ENDPOINTSLICES = json.loads("""
 {
   "kind": "EndpointSliceList",
@@ -257,3 +260,214 @@ def test_kubernetes_lookup_outside_a_pod_says_why(monkeypatch, tmp_path):
     monkeypatch.setenv("KUBERNETES_SERVICE_HOST", "10.100.0.1")
     with pytest.raises(ConfigError, match="automountServiceAccountToken"):
         kubernetes_members("spokefs-spoke", sa_dir=tmp_path)
+    from spokefs.tier.sources import KubernetesMembers
+
+    with pytest.raises(ConfigError, match="automountServiceAccountToken"):
+        KubernetesMembers("spokefs-spoke", sa_dir=tmp_path)()  # said at once, not in a thread
+    with pytest.raises(ConfigError, match="scheme"):
+        KubernetesMembers("spokefs-spoke", scheme="ftp")
+
+
+# -- the watch: against a stand-in for the API server ---------------------------------------------
+# tests/kube_api.py stands in for the Kubernetes API server, which these tests cannot start:
+# an HTTPS server on 127.0.0.1 speaking the list and watch of EndpointSlices as the API server
+# does (resourceVersions, chunked watch streams, 410 for an expired version, bearer tokens).
+SVC = "spokefs-spoke"
+
+
+def member(host: str) -> str:
+    return f"http://{host}.{SVC}.ml.svc.cluster.local:8471"
+
+
+@pytest.fixture
+def kube(tmp_path, monkeypatch):
+    """The stand-in API server and this 'pod's' service account pointing at it."""
+    import ssl
+
+    import trustme
+
+    from kube_api import FakeKubeAPI
+
+    ca = trustme.CA()
+    sa = tmp_path / "serviceaccount"
+    sa.mkdir()
+    ca.cert_pem.write_to_path(str(sa / "ca.crt"))
+    (sa / "token").write_text("token-1\n")
+    (sa / "namespace").write_text("ml")
+    ctx = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    ca.issue_cert("127.0.0.1").configure_cert(ctx)
+    api = FakeKubeAPI(sa, ctx)
+    monkeypatch.setenv("KUBERNETES_SERVICE_HOST", "127.0.0.1")
+    monkeypatch.setenv("KUBERNETES_SERVICE_PORT", str(api.port))
+    yield api
+    api.close()
+
+
+def watcher(kube, **kw):
+    from spokefs.tier.sources import KubernetesMembers
+
+    kw.setdefault("backoff_first", 0.05)
+    kw.setdefault("backoff_cap", 0.2)
+    return KubernetesMembers(SVC, port=8471, sa_dir=kube.sa_dir, timeout=10.0, **kw)
+
+
+def wait_members(w, want, timeout=10.0):
+    """Wait (with a deadline) until the watch reports ``want``."""
+    end = time.monotonic() + timeout
+    seen = 0
+    while w.members != want:
+        left = end - time.monotonic()
+        assert left > 0, f"members {w.members}, wanted {want} (error: {w.error})"
+        seen = w.wait_changed(seen, left)
+    return w.members
+
+
+def test_watch_members_appear_and_leave_as_the_watch_reports_them(kube):
+    from kube_api import endpoint_slice
+
+    kube.put(endpoint_slice("s-a", SVC, [("spoke-0", True), ("spoke-1", True)]))
+    kube.put(endpoint_slice("other", "other", [("x-0", True)]))  # another service's
+    w = watcher(kube)
+    try:
+        assert w() == [member("spoke-0"), member("spoke-1")]
+        kube.wait_watching()
+        (listed,) = [r for r in kube.requests if not r["watch"]]
+        # One pod more in the slice, one not ready: the list follows.
+        kube.put(endpoint_slice("s-a", SVC, [("spoke-0", True), ("spoke-1", False),
+                                             ("spoke-2", True)]))
+        wait_members(w, [member("spoke-0"), member("spoke-2")])
+        kube.put(endpoint_slice("s-b", SVC, [("spoke-3", True)]))  # a new slice
+        wait_members(w, [member("spoke-0"), member("spoke-2"), member("spoke-3")])
+        kube.delete("s-a")
+        wait_members(w, [member("spoke-3")])
+        assert w() == [member("spoke-3")] and w.error is None
+        # All of it from one list and its watch, resumed from the list's version.
+        assert w.lists == 1
+        watches = [r for r in kube.requests if r["watch"]]
+        assert watches and watches[0]["resourceVersion"] is not None
+        assert int(watches[0]["resourceVersion"]) >= 1000 and listed["token_ok"]
+    finally:
+        w.close()
+
+
+def test_watch_expired_410_lists_again_and_finds_what_it_missed(kube):
+    from kube_api import endpoint_slice
+
+    kube.put(endpoint_slice("s-a", SVC, [("spoke-0", True)]))
+    kube.put(endpoint_slice("s-b", SVC, [("spoke-1", True)]))
+    w = watcher(kube)
+    try:
+        assert w() == [member("spoke-0"), member("spoke-1")]
+        kube.wait_watching()
+        # A deletion the watch never hears of, then the watch cache moves on: only a fresh
+        # list can tell that spoke-1 is gone (resuming the watch would keep it forever).
+        kube.forget("s-b")
+        kube.expire()
+        wait_members(w, [member("spoke-0")])
+        assert w.lists == 2 and w.error is None
+        kube.wait_watching()
+        kube.put(endpoint_slice("s-c", SVC, [("spoke-2", True)]))  # and it watches again
+        wait_members(w, [member("spoke-0"), member("spoke-2")])
+    finally:
+        w.close()
+
+
+def test_watch_dropped_connection_reconnects_with_a_rotated_token(kube):
+    from kube_api import endpoint_slice
+
+    kube.put(endpoint_slice("s-a", SVC, [("spoke-0", True)]))
+    w = watcher(kube)
+    try:
+        assert w() == [member("spoke-0")]
+        kube.wait_watching()
+        (kube.sa_dir / "token").write_text("token-2\n")  # the kubelet rotates the token
+        kube.drop()  # cut mid-stream: no end of the chunked body
+        kube.put(endpoint_slice("s-b", SVC, [("spoke-1", True)]))
+        wait_members(w, [member("spoke-0"), member("spoke-1")])
+        assert w.error is None and w.lists >= 2
+        last = kube.requests[-1]
+        assert last["token_ok"]  # the new token, read again from the file
+        kube.wait_watching()
+        kube.delete("s-a")
+        wait_members(w, [member("spoke-1")])
+    finally:
+        w.close()
+
+
+def test_watch_failures_back_off_and_the_look_up_says_why(kube):
+    from kube_api import endpoint_slice
+
+    kube.put(endpoint_slice("s-a", SVC, [("spoke-0", True)]))
+    kube.fail(4)
+    w = watcher(kube, backoff_first=0.2, backoff_cap=5.0)
+    w.timeout = 0.1
+    try:
+        with pytest.raises(OSError, match="500"):
+            w()  # not in step with the API server: the caller keeps its last list
+        w.timeout = 10.0
+        assert w() == [member("spoke-0")]
+        times = [r["time"] for r in kube.requests if not r["watch"]][:5]
+        gaps = [b - a for a, b in itertools.pairwise(times)]
+        # Pauses of 0.1-0.2, 0.2-0.4, 0.4-0.8, 0.8-1.6 s: each retry waits longer.
+        assert len(gaps) == 4 and gaps[0] >= 0.1 and gaps[3] > gaps[0] + 0.4, gaps
+    finally:
+        w.close()
+
+
+def test_one_shot_list_against_the_api(kube):
+    from kube_api import endpoint_slice
+
+    kube.put(endpoint_slice("s-a", SVC, [("spoke-0", True), ("spoke-1", False)]))
+    assert kubernetes_members(SVC, port=8471, sa_dir=kube.sa_dir) == [member("spoke-0")]
+    kube.fail(1)
+    with pytest.raises(OSError, match="500"):
+        kubernetes_members(SVC, port=8471, sa_dir=kube.sa_dir)
+
+
+def test_the_tier_follows_the_watch_and_keeps_its_list_while_the_api_is_away(kube):
+    """The spoke's refresh loop (spokefs.spoke.tier.Tier) with the watch as its look-up: the
+    list follows the watch; while the API server fails, the last list stays and the status
+    says why; once it answers again, the error clears."""
+    import asyncio
+
+    from prometheus_client import CollectorRegistry
+
+    from kube_api import endpoint_slice
+    from spokefs.spoke.tier import Tier
+
+    me = member("spoke-0")
+    kube.put(endpoint_slice("s-a", SVC, [("spoke-0", True), ("spoke-1", True)]))
+    w = watcher(kube, backoff_first=0.5, backoff_cap=0.5)
+    w.timeout = 0.2  # how long a look-up waits for a watch out of step
+
+    async def until(check, what: str) -> None:
+        end = time.monotonic() + 15
+        while not check():
+            assert time.monotonic() < end, what
+            await asyncio.sleep(0.02)
+
+    async def main() -> None:
+        tier = Tier(me, [me], CollectorRegistry(), token=None, lookup=w, source="kubernetes",
+                    refresh=0.05)
+        task = asyncio.create_task(tier.refresh_loop())
+        try:
+            await until(lambda: tier.router.members == [me, member("spoke-1")], "first list")
+            await asyncio.to_thread(kube.wait_watching)
+            kube.fail(1000)
+            kube.drop()
+            await until(lambda: tier.status()["refresh_error"] is not None, "an error shown")
+            assert "Kubernetes API" in str(tier.status()["refresh_error"])  # the cut, the 500s
+            assert tier.router.members == [me, member("spoke-1")]  # the last list, kept
+            kube.fail(0)
+            kube.delete("s-a")
+            kube.put(endpoint_slice("s-b", SVC, [("spoke-0", True), ("spoke-2", True)]))
+            await until(lambda: tier.router.members == [me, member("spoke-2")], "relisted")
+            await until(lambda: tier.status()["refresh_error"] is None, "the error cleared")
+        finally:
+            task.cancel()
+            await tier.close()
+
+    try:
+        asyncio.run(main())
+    finally:
+        w.close()

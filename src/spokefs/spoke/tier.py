@@ -34,7 +34,6 @@ recently used first), so the read that follows a prefetch or a same-host mount's
 from __future__ import annotations
 
 import asyncio
-import contextvars
 import logging
 import time
 from collections import OrderedDict
@@ -48,6 +47,7 @@ from spokefs.errors import BadRequest, ConfigError, SpokeError, Transient
 from spokefs.policy import BlockKey
 from spokefs.tier.membership import Membership, State
 from spokefs.tier.rendezvous import Rendezvous, normalise_url
+from spokefs.wire.backend import PEER_KEY
 from spokefs.wire.client import UpstreamClient
 from spokefs.wire.headers import H_MEMBER, H_PEER
 from spokefs.wire.http1 import DataClient
@@ -74,12 +74,6 @@ class Peer:
         if self.kind not in PEER_KINDS:
             raise BadRequest(f"{H_PEER} must be one of {', '.join(PEER_KINDS)}, not "
                              f"{self.kind[:40]!r}")
-
-
-# The marked request being handled (``peer_middleware``), for the spoke's batch reads until
-# ``wire.server.Api`` hands the request's ``Peer`` to ``read_blocks`` as an argument.
-PEER_REQUEST: contextvars.ContextVar[Peer | None] = contextvars.ContextVar(
-    "spokefs_peer_request", default=None)
 
 
 @dataclass(frozen=True, slots=True)
@@ -320,6 +314,8 @@ class Tier:
         list: forgetting every member at once would move every share)."""
         assert self.lookup is not None
         lookup = self.lookup
+        wait = getattr(lookup, "wait_changed", None)  # a watch: woken by its changes
+        seen = 0
         while True:
             try:
                 members = await asyncio.to_thread(lookup)
@@ -331,7 +327,10 @@ class Tier:
             else:
                 self.last_refresh_error = None
                 self.apply(members)
-            await asyncio.sleep(self.refresh)
+            if wait is None:
+                await asyncio.sleep(self.refresh)
+            else:  # as soon as the watch changes the list, at most ``refresh`` later
+                seen = await asyncio.to_thread(wait, seen, self.refresh)
 
     def apply(self, members: list[str]) -> None:
         added, removed = self.router.update(members, self.clock())
@@ -374,6 +373,9 @@ class Tier:
             await client.close()
 
     async def close(self) -> None:
+        close = getattr(self.lookup, "close", None)  # a watch's thread
+        if close is not None:
+            close()
         for c in self._clients.values():
             await c.close()
         self._clients.clear()
@@ -399,8 +401,8 @@ def make_lookup(config_dns: str | None, config_kubernetes: str | None,
         name = config_dns
         return (lambda: sources.resolve_dns(name, port, scheme)), "dns"
     if config_kubernetes:
-        service = config_kubernetes
-        return (lambda: sources.kubernetes_members(service, scheme=scheme, port=port)), \
+        # A list, then a watch (lightkube, in a thread of its own): each refresh reads memory.
+        return sources.KubernetesMembers(config_kubernetes, scheme=scheme, port=port), \
             "kubernetes"
     return None, "static"
 
@@ -422,13 +424,10 @@ def request_peer(request: web.Request) -> Peer | None:
 
 @web.middleware
 async def peer_middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
-    """Marks a request another member sent (``X-Spokefs-Peer``) for the spoke's batch reads:
-    they are then served from the cache or the upstream only (``PEER_REQUEST``)."""
+    """Marks a request another member sent (``X-Spokefs-Peer``) for the spoke's batch reads
+    (``request[PEER_KEY]``, which the API passes on): they are then served from the cache or
+    the upstream only."""
     peer = request_peer(request)
-    if peer is None:
-        return await handler(request)
-    mark = PEER_REQUEST.set(peer)
-    try:
-        return await handler(request)
-    finally:
-        PEER_REQUEST.reset(mark)
+    if peer is not None:
+        request[PEER_KEY] = peer
+    return await handler(request)
