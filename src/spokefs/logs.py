@@ -4,7 +4,8 @@
 line: ``time`` (UTC, ISO 8601), ``level``, ``logger``, ``message``, then any fields a call
 passed with ``extra={...}`` (e.g. ``event``, ``dataset``), and ``exception`` when there is one.
 The choice is put back into the environment, so the processes a command starts (workers,
-mounts, benchmark services) log the same way.
+mounts, benchmark services) log the same way; so is the level (``-v`` debug, default info,
+``-q`` warning, ``-qq`` error, or ``--log-level``; ``SPOKEFS_LOG_LEVEL``).
 """
 
 from __future__ import annotations
@@ -16,7 +17,9 @@ from datetime import UTC, datetime
 from typing import Any
 
 ENV_LOG_FORMAT = "SPOKEFS_LOG_FORMAT"
+ENV_LOG_LEVEL = "SPOKEFS_LOG_LEVEL"
 FORMATS = ("plain", "json")
+LEVELS = ("debug", "info", "warning", "error", "critical")
 PLAIN = "%(asctime)s %(name)s %(levelname)s %(message)s"
 
 # Attributes every LogRecord has: anything else on a record came from ``extra``.
@@ -59,12 +62,29 @@ def log_format(choice: str | None = None) -> str:
     return fmt
 
 
+def level_for(verbose: int, quiet: int, name: str | None = None, counts_rank: int = 0,
+              name_rank: int = 0) -> int:
+    """The level asked for: info, one step down per ``-v`` (debug is the lowest), one step up
+    per ``-q`` (error the highest); ``--log-level name`` instead unless the counts came from a
+    stronger source (a flag beats the environment, which beats a config file: the ranks)."""
+    if name is not None and (name_rank >= counts_rank or not (verbose or quiet)):
+        return logging.getLevelName(name.upper())  # type: ignore[no-any-return]
+    return min(max(logging.INFO + 10 * (quiet - verbose), logging.DEBUG), logging.ERROR)
+
+
+def env_level() -> int:
+    """The level a parent exported (``SPOKEFS_LOG_LEVEL``), else info."""
+    name = (os.environ.get(ENV_LOG_LEVEL) or "info").strip().lower()
+    return level_for(0, 0, name if name in LEVELS else None)
+
+
 def setup_logging(level: int, fmt: str | None = None) -> str:
-    """Configure the root logger (stderr) in ``fmt``; returns the format used and exports it
-    to child processes."""
+    """Configure the root logger (stderr) in ``fmt`` at ``level``; returns the format used
+    and exports both to child processes."""
     fmt = log_format(fmt)
     handler = logging.StreamHandler()
     handler.setFormatter(JsonFormatter() if fmt == "json" else logging.Formatter(PLAIN))
     logging.basicConfig(level=level, handlers=[handler])  # a no-op where handlers exist
     os.environ[ENV_LOG_FORMAT] = fmt
+    os.environ[ENV_LOG_LEVEL] = logging.getLevelName(level).lower()
     return fmt

@@ -26,7 +26,7 @@ def add_tier_arguments(p: argparse.ArgumentParser) -> None:
                      "Service), read again every --tier-refresh")
     src.add_argument("--tier-kubernetes", metavar="SERVICE",
                      help="the members are the ready endpoints of SERVICE in this pod's "
-                     "namespace (EndpointSlice API), read again every --tier-refresh")
+                     "namespace (EndpointSlice API), listed then watched")
     g.add_argument("--advertise", metavar="URL",
                    help="this member's URL as the others name it (default: the URL it "
                    "listens on, when that is a fixed address and port)")

@@ -94,16 +94,14 @@ def run(args: argparse.Namespace) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     """``python -m spokefs.wan``: the same command without the rest of the spokefs CLI."""
-    import logging
-
-    from spokefs.logs import setup_logging
+    from spokefs.logs import env_level, setup_logging
 
     p = argparse.ArgumentParser(prog="python -m spokefs.wan", description=DESCRIPTION,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     add_arguments(p)
     args = p.parse_args(argv)
     try:
-        setup_logging(logging.INFO)  # plain, or JSON lines with SPOKEFS_LOG_FORMAT=json
+        setup_logging(env_level())  # as SPOKEFS_LOG_FORMAT and SPOKEFS_LOG_LEVEL say
         return run(args)
     except SpokeError as exc:
         print(f"spokefs wan: error: {exc}", file=sys.stderr)
