@@ -768,3 +768,217 @@ def test_a_mount_that_cannot_see_the_spokes_folder_reads_over_http(
             name = "class1/img0001.jpg"
             assert (mp / name).read_bytes() == (ds / name).read_bytes()
             assert metric(s.url, "spokefs_served_bytes_total") == (ds / name).stat().st_size
+
+
+# -- options: uid, gid, modes, -o, the background child, the fstab helper ---------------------
+def _mount_parser() -> tuple[object, object]:
+    from spokefs.cli import build_parser
+
+    p = build_parser()
+    leaf = p._spokefs_model.leaves[("mount",)][0]  # type: ignore[attr-defined]
+    return p, leaf
+
+
+def test_modes_and_o_options_parse() -> None:
+    from spokefs.mount.options import parse_mode, split
+
+    assert parse_mode("0644") == parse_mode("644") == parse_mode("0o644") == 0o644
+    for bad in ("0o4755", "999", "rw-r--r--", "1777"):
+        with pytest.raises(ConfigError):
+            parse_mode(bad)
+    assert split(["ro,uid=5", " deadline=1m ,,allow_other"]) == [
+        ("ro", None), ("uid", "5"), ("deadline", "1m"), ("allow_other", None)]
+
+
+def _o(*argv: str) -> tuple[object, list[str]]:
+    from spokefs.mount.options import apply_o
+
+    p, leaf = _mount_parser()
+    args = p.parse_args(["mount", "http://h:1/ds", "/mnt", *argv])  # type: ignore[attr-defined]
+    return args, apply_o(leaf, args, args.options or [])  # type: ignore[arg-type]
+
+
+def test_o_sets_what_flags_set() -> None:
+    args, kernel = _o("-o", "rw,allow_other,uid=1000,gid=100,file_mode=0440,dir_mode=0550",
+                      "-o", "deadline=1m,engine=python,cache-dir=/c,cache_size=1GiB,"
+                      "no_short_circuit,noexec,_netdev,nofail,x-systemd.automount,defaults")
+    a = vars(args)
+    assert (a["allow_other"], a["uid"], a["gid"], a["file_mode"], a["dir_mode"]) == (
+        True, 1000, 100, 0o440, 0o550)
+    assert (a["deadline"], a["engine"], a["cache_dir"], a["cache_size"]) == (
+        60.0, "python", Path("/c"), 1 << 30)
+    assert a["no_short_circuit"] is True and kernel == ["noexec"]
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["-o", "colour=blue"], "-o colour: not a mount option"),
+    (["-o", "uid=me"], "-o uid='me': not an integer"),
+    (["-o", "file_mode=4755"], "permission bits only"),
+    (["-o", "engine=rust"], "use one of auto, native, python"),
+    (["-o", "deadline"], "-o deadline: needs a value"),
+    (["--uid", "5", "-o", "uid=6"], "-o uid and --uid both given"),
+])
+def test_o_refuses_clearly(argv: list[str], message: str) -> None:
+    with pytest.raises(ConfigError, match=re.escape(message)):
+        _o(*argv)
+
+
+def test_the_background_child_gets_every_mount_option() -> None:
+    """Every option of ``spokefs mount`` (found by walking its parser: an option added later
+    is covered) reaches the background mount's child with the value given."""
+    import argparse
+
+    from spokefs.mount.cli import child_command
+    from spokefs.units import parse_duration, parse_size
+
+    p, leaf = _mount_parser()
+    argv = ["-v", "mount", "http://h:1/ds", "mnt"]
+    dests = []
+    for a in leaf._actions:  # type: ignore[attr-defined]
+        if (not a.option_strings or a.help is argparse.SUPPRESS or isinstance(
+                a, argparse._HelpAction) or a.dest in ("foreground", "print_config", "config")):
+            continue
+        dests.append(a.dest)
+        flag = a.option_strings[-1]
+        if a.nargs == 0:
+            argv.append(flag)
+            continue
+        if a.choices is not None:
+            value = next(str(c) for c in a.choices if c != a.default.value)
+        else:
+            value = {int: "7", parse_size: "3MiB", parse_duration: "7s", Path: "some/where"
+                     }.get(a.type, "0640" if "mode" in a.dest else "x=1")
+        argv += [flag, value]
+    assert {"uid", "gid", "file_mode", "dir_mode", "options", "engine", "deadline",
+            "cache_dir", "read_ahead_kb", "log_file", "allow_other"} <= set(dests)
+    given = p.parse_args(argv)  # type: ignore[attr-defined]
+    cmd = child_command(argv, 99)
+    assert cmd[:3] == [sys.executable, "-m", "spokefs.cli"]
+    child = p.parse_args(cmd[3:])  # type: ignore[attr-defined]
+    for dest in dests:
+        assert getattr(child, dest) == getattr(given, dest), dest
+    assert (child.verbose, child.foreground, child.ready_fd) == (1, True, 99)
+    assert (child.url, child.mountpoint) == (given.url, given.mountpoint)
+    # Arguments after "--" stay positional.
+    cmd = child_command(["mount", "--", "http://h:1/ds", "-odd-name"], 5)
+    assert p.parse_args(cmd[3:]).mountpoint == Path("-odd-name")  # type: ignore[attr-defined]
+
+
+def _check_perms(root: Path, uid: int, gid: int, file_mode: int | None, dir_mode: int,
+                 ds: Path) -> int:
+    """Every inode under ``root`` shows this owner and these bits; returns how many."""
+    n = 0
+    for dirpath, _, filenames in os.walk(root):
+        st = os.stat(dirpath)
+        assert (st.st_uid, st.st_gid, stat.S_IMODE(st.st_mode)) == (uid, gid, dir_mode), dirpath
+        for name in filenames:
+            p = Path(dirpath) / name
+            st = p.stat()
+            want = file_mode if file_mode is not None else stat.S_IMODE(
+                (ds / p.relative_to(root)).stat().st_mode)
+            assert (st.st_uid, st.st_gid, stat.S_IMODE(st.st_mode)) == (uid, gid, want), p
+            n += 1
+    return n
+
+
+@needs_fuse
+def test_owner_and_modes_show_in_stat(stack: tuple[Path, ServerProcess],
+                                      tmp_path: Path) -> None:
+    ds, s = stack
+    mp = tmp_path / "mnt"
+    mp.mkdir()
+    with MountProcess(f"{s.url}/ds", mp, "--engine", "python", "--uid", "1234", "--gid",
+                      "2345", "--file-mode", "0640", "--dir-mode", "0750") as m:
+        assert "engine=python" in m.ready_line
+        assert _check_perms(mp, 1234, 2345, 0o640, 0o750, ds) > 600
+        assert (mp / "run.sh").read_bytes() == (ds / "run.sh").read_bytes()  # root still reads
+    # The defaults: the mounting user, each file's own bits, folders 0555.
+    with MountProcess(f"{s.url}/ds", mp, "--engine", "python"):
+        _check_perms(mp, os.getuid(), os.getgid(), None, 0o555, ds)
+
+
+@needs_fuse
+def test_a_background_mount_gets_flags_o_env_and_file(stack: tuple[Path, ServerProcess],
+                                                      tmp_path: Path) -> None:
+    """Options given every way reach the detached child: -o, a flag, the environment, a
+    --config file."""
+    ds, s = stack
+    mp = tmp_path / "mnt"
+    mp.mkdir()
+    conf = tmp_path / "spokefs.toml"
+    conf.write_text("[mount]\nread_ahead_kb = 1024\ndir_mode = \"0700\"\n")
+    env = {**os.environ, "SPOKEFS_MOUNT_ENGINE": "python"}
+    r = subprocess.run([sys.executable, "-m", "spokefs.cli", "mount", f"{s.url}/ds", str(mp),
+                        "-o", "uid=4321,gid=20,file_mode=0444,noexec", "--deadline", "5s",
+                        "--config", str(conf), "--log-file", str(tmp_path / "m.log")],
+                       capture_output=True, text=True, timeout=60, env=env)
+    assert r.returncode == 0, r.stderr
+    m = re.search(r"engine=python, read_ahead_kb=(\w+)\).*\(pid (\d+), log ", r.stdout)
+    assert m, r.stdout
+    pid = int(m.group(2))
+    try:
+        if os.geteuid() == 0 and sysfs.read_ahead_path(mp) is not None:
+            assert m.group(1) == "1024"
+        _check_perms(mp, 4321, 20, 0o444, 0o700, ds)
+        options = next(line.split()[5].split(",")
+                       for line in Path("/proc/self/mountinfo").read_text().splitlines()
+                       if line.split()[4] == str(mp))
+        assert "noexec" in options, options
+    finally:
+        assert _cli("umount", str(mp)).returncode == 0
+        end = time.monotonic() + 15
+        while _alive(pid) and time.monotonic() < end:
+            time.sleep(0.05)
+        if _alive(pid):
+            os.kill(pid, signal.SIGKILL)
+
+
+def _helper(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+    """mount.fuse.spokefs as mount(8) runs it: SOURCE MOUNTPOINT -o OPTS."""
+    return subprocess.run([sys.executable, "-m", "spokefs.mount.fstab", *args],
+                          capture_output=True, text=True, timeout=60,
+                          env={**os.environ, **(env or {})})
+
+
+def test_the_fstab_helper_builds_the_mount_command() -> None:
+    from spokefs.mount.fstab import command
+
+    assert command(["http://h:1/ds", "/mnt", "-o", "rw,allow_other,token_file=/etc/t,"
+                    "config=/etc/spokefs.toml,log_level=debug,deadline=60s", "-n"]) == [
+        "--token-file", "/etc/t", "--log-level", "debug", "mount", "http://h:1/ds", "/mnt",
+        "--config", "/etc/spokefs.toml", "-o", "rw,allow_other,deadline=60s"]
+    assert command(["http://h:1/ds", "/mnt", "-f", "-o", "ro"]) is None  # mount -f: fake
+    assert command(["-v", "http://h:1/ds", "/mnt", "-t", "fuse.spokefs"])[:2] == [
+        "-v", "mount"]
+
+
+@needs_fuse
+def test_the_fstab_helper_mounts(stack: tuple[Path, ServerProcess], tmp_path: Path) -> None:
+    ds, s = stack
+    mp = tmp_path / "mnt"
+    mp.mkdir()
+    log = tmp_path / "m.log"
+    r = _helper(f"{s.url}/ds", str(mp), "-o", f"rw,allow_other,_netdev,nofail,"
+                f"x-systemd.automount,uid=1234,file_mode=0400,engine=python,log_file={log}")
+    assert r.returncode == 0, r.stderr
+    pid = int(re.search(r"\(pid (\d+), log ", r.stdout).group(1))  # type: ignore[union-attr]
+    try:
+        _check_perms(mp, 1234, os.getgid(), 0o400, 0o555, ds)
+        assert (mp / "run.sh").read_bytes() == (ds / "run.sh").read_bytes()
+        entry = sysfs.mount_entry(mp)
+        assert entry is not None and entry[1] == "fuse.spokefs"
+        super_opts = next(line.split(" - ")[1].split()[2]
+                          for line in Path("/proc/self/mountinfo").read_text().splitlines()
+                          if line.split()[4] == str(mp))
+        assert "allow_other" in super_opts, super_opts
+        # mount(8)'s exit statuses: 32 a failed mount, 1 a wrong invocation.
+        assert _helper(f"{s.url}/ds", str(mp)).returncode == 32   # already mounted
+        assert _helper(f"{s.url}/ds", str(mp), "-o", "colour=blue").returncode == 32
+        assert _helper(f"{s.url}/ds").returncode == 1
+    finally:
+        assert _cli("umount", str(mp)).returncode == 0
+        end = time.monotonic() + 15
+        while _alive(pid) and time.monotonic() < end:
+            time.sleep(0.05)
+        if _alive(pid):
+            os.kill(pid, signal.SIGKILL)

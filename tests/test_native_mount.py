@@ -330,3 +330,37 @@ def test_sigterm_unmounts_even_with_a_file_open(stack: tuple[Path, ServerProcess
         m.kill()
         if sysfs.is_mounted(mp):
             unmount(mp)
+
+
+@needs_native
+@pytest.mark.mount
+def test_owner_and_modes_show_in_stat(stack: tuple[Path, ServerProcess], tmp_path: Path) -> None:
+    """--uid, --gid, --file-mode, --dir-mode (and -o) in the native engine, as in the python
+    one (tests/test_mount.py)."""
+    ds, s = stack
+    mp = tmp_path / "mnt"
+    mp.mkdir()
+
+    def check(uid: int, gid: int, file_mode: int | None, dir_mode: int) -> int:
+        n = 0
+        for dirpath, _, filenames in os.walk(mp):
+            st = os.stat(dirpath)
+            assert (st.st_uid, st.st_gid, stat.S_IMODE(st.st_mode)) == (uid, gid, dir_mode)
+            for name in filenames:
+                p = Path(dirpath) / name
+                st = p.stat()
+                want = file_mode if file_mode is not None else stat.S_IMODE(
+                    (ds / p.relative_to(mp)).stat().st_mode)
+                assert (st.st_uid, st.st_gid, stat.S_IMODE(st.st_mode)) == (uid, gid, want), p
+                n += 1
+        return n
+
+    with MountProcess(f"{s.url}/ds", mp, *NATIVE, "--uid", "1234", "--gid", "2345",
+                      "--file-mode", "0640", "--dir-mode", "0750") as m:
+        assert "engine=native" in m.ready_line
+        assert check(1234, 2345, 0o640, 0o750) > 400
+        assert (mp / "run.sh").read_bytes() == (ds / "run.sh").read_bytes()
+    with MountProcess(f"{s.url}/ds", mp, *NATIVE, "-o", "uid=77,file_mode=0400,noexec"):
+        check(77, os.getgid(), 0o400, 0o555)
+    with MountProcess(f"{s.url}/ds", mp, *NATIVE):  # the defaults
+        check(os.getuid(), os.getgid(), None, 0o555)

@@ -45,7 +45,9 @@ class Mount:
                  base_url: str, token: str | None = None, deadline_s: float = 30.0,
                  options: list[str], uid: int = 0, gid: int = 0, created_ns: int = 0,
                  short_circuit: dict[str, object] | None = None, workers: int = 32,
-                 connections: int = 32) -> None: ...
+                 connections: int = 32, file_uid: int | None = None,
+                 file_gid: int | None = None, file_mode: int | None = None,
+                 dir_mode: int | None = None) -> None: ...
     def start(self) -> None:
         """Mount; returns once the kernel has initialised the session (GIL released)."""
     def wait(self, timeout_s: float) -> bool:

@@ -54,8 +54,31 @@ pub struct Core {
     pub pool: Arc<Pool>,
     pub events: Arc<Events>,
     pub counters: Counters,
+    pub perms: Perms,
+}
+
+/// What stat shows as every inode's owner and permission bits (`--uid`, `--gid`,
+/// `--file-mode`, `--dir-mode`); with `default_permissions` the kernel checks access
+/// against them.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Perms {
     pub uid: u32,
     pub gid: u32,
+    /// Every file's permission bits; None: each file's own from the manifest.
+    pub file_mode: Option<u16>,
+    /// Every directory's permission bits.
+    pub dir_mode: u16,
+}
+
+impl Perms {
+    /// The bits stat shows for an inode whose table attributes are `a`.
+    pub fn perm(&self, a: &Attr) -> u16 {
+        match (a.is_dir, self.file_mode) {
+            (true, _) => self.dir_mode,
+            (false, Some(m)) => m,
+            (false, None) => a.perm,
+        }
+    }
 }
 
 pub struct SnapshotFs {
@@ -93,11 +116,11 @@ impl SnapshotFs {
             ctime: t,
             crtime: t,
             kind: if a.is_dir { FileType::Directory } else { FileType::RegularFile },
-            perm: a.perm,
+            perm: self.core.perms.perm(a),
             // 1 for folders too: find/fts read it as "subdirectory count unknown".
             nlink: 1,
-            uid: self.core.uid,
-            gid: self.core.gid,
+            uid: self.core.perms.uid,
+            gid: self.core.perms.gid,
             rdev: 0,
             blksize: BLKSIZE,
             flags: 0,

@@ -32,6 +32,7 @@ pub mod units;
 mod testserver;
 
 pub use events::Level;
-pub use mount::{Mount, MountConfig, MountError, parse_options};
+pub use fs::Perms;
+pub use mount::{Mount, MountConfig, MountError, parse_options, perms_of};
 pub use shortcircuit::ScConfig;
 pub use table::{Columns, InodeTable};

@@ -20,7 +20,7 @@ use std::time::Duration;
 use fuser::{MountOption, SessionACL};
 
 use crate::events::{Events, Level};
-use crate::fs::{Core, Counters, SnapshotFs};
+use crate::fs::{Core, Counters, Perms, SnapshotFs};
 use crate::http::{Upstream, UpstreamConfig};
 use crate::pool::Pool;
 use crate::shortcircuit::{ScConfig, ShortCircuit};
@@ -43,8 +43,15 @@ pub struct MountConfig {
     /// Mount options as libfuse spells them: ro, nosuid, nodev, default_permissions,
     /// allow_other, fsname=..., subtype=...
     pub options: Vec<String>,
+    /// The mount's owner (the kernel lets only this user in without allow_other).
     pub uid: u32,
     pub gid: u32,
+    /// What stat shows as owner and permission bits; None: the owner above, each file's
+    /// mode from the manifest, directories 0o555.
+    pub file_uid: Option<u32>,
+    pub file_gid: Option<u32>,
+    pub file_mode: Option<u32>,
+    pub dir_mode: Option<u32>,
     /// What directories show as their times.
     pub created_ns: i64,
     pub short_circuit: Option<ScConfig>,
@@ -84,6 +91,10 @@ impl MountConfig {
             .to_vec(),
             uid: 0,
             gid: 0,
+            file_uid: None,
+            file_gid: None,
+            file_mode: None,
+            dir_mode: None,
             created_ns: 0,
             short_circuit: None,
             workers: 32,
@@ -151,6 +162,26 @@ pub fn parse_options(options: &[String]) -> Result<(Vec<MountOption>, SessionACL
     Ok((out, acl))
 }
 
+/// The owner and permission bits stat shows, from the settings; a mode beyond 0o777 (a
+/// setuid, setgid or sticky bit, or not a mode at all) is refused.
+pub fn perms_of(cfg: &MountConfig) -> Result<Perms, MountError> {
+    let mode = |what: &str, m: Option<u32>| -> Result<Option<u16>, MountError> {
+        match m {
+            Some(m) if m > 0o777 => {
+                Err(MountError::Config(format!("{what} {m:#o}: permission bits only (0 to 0o777)")))
+            }
+            Some(m) => Ok(Some(m as u16)),
+            None => Ok(None),
+        }
+    };
+    Ok(Perms {
+        uid: cfg.file_uid.unwrap_or(cfg.uid),
+        gid: cfg.file_gid.unwrap_or(cfg.gid),
+        file_mode: mode("file mode", cfg.file_mode)?,
+        dir_mode: mode("dir mode", cfg.dir_mode)?.unwrap_or(0o555),
+    })
+}
+
 pub struct Mount {
     cfg: MountConfig,
     core: Arc<Core>,
@@ -177,6 +208,7 @@ impl Mount {
             return Err(MountError::Config("the deadline must be positive".into()));
         }
         parse_options(&cfg.options)?;
+        let perms = perms_of(&cfg)?;
         let table = Arc::new(InodeTable::new(cols, cfg.created_ns)?);
         let events = Arc::new(Events::default());
         let up = Arc::new(Upstream::new(UpstreamConfig {
@@ -203,8 +235,7 @@ impl Mount {
             pool,
             events: events.clone(),
             counters: Counters::default(),
-            uid: cfg.uid,
-            gid: cfg.gid,
+            perms,
         });
         Ok(Mount {
             cfg,
@@ -465,6 +496,27 @@ mod tests {
         assert_eq!(m.table().file_count(), 1);
         assert!(!m.unmount().unwrap()); // never started
         assert!(!m.wait(Duration::from_millis(1)));
+    }
+
+    #[test]
+    fn perms_default_to_the_owner_and_the_manifest() {
+        let mut cfg = MountConfig::new("/m", "http://h:1", "ds", "s", 4 << 20);
+        cfg.uid = 7;
+        cfg.gid = 8;
+        let p = perms_of(&cfg).unwrap();
+        assert_eq!((p.uid, p.gid, p.file_mode, p.dir_mode), (7, 8, None, 0o555));
+        let file = crate::table::Attr { ino: 2, is_dir: false, perm: 0o640, size: 1, mtime_ns: 0 };
+        let dir = crate::table::Attr { ino: 1, is_dir: true, perm: 0o555, size: 0, mtime_ns: 0 };
+        assert_eq!((p.perm(&file), p.perm(&dir)), (0o640, 0o555));
+        cfg.file_uid = Some(1000);
+        cfg.file_gid = Some(100);
+        cfg.file_mode = Some(0o600);
+        cfg.dir_mode = Some(0o700);
+        let p = perms_of(&cfg).unwrap();
+        assert_eq!((p.uid, p.gid), (1000, 100));
+        assert_eq!((p.perm(&file), p.perm(&dir)), (0o600, 0o700));
+        cfg.file_mode = Some(0o4755);
+        assert!(matches!(perms_of(&cfg), Err(MountError::Config(m)) if m.contains("0o4755")));
     }
 
     #[test]

@@ -58,7 +58,8 @@ impl PyMount {
     #[pyo3(signature = (mountpoint, *, paths, sizes, modes, mtimes_ns, versions, dirs, block_size,
                         dataset, snapshot, base_url, token=None, deadline_s=30.0, options,
                         uid=0, gid=0, created_ns=0, short_circuit=None, workers=32,
-                        connections=32))]
+                        connections=32, file_uid=None, file_gid=None, file_mode=None,
+                        dir_mode=None))]
     #[allow(clippy::too_many_arguments)]
     fn new(
         py: Python<'_>,
@@ -82,6 +83,10 @@ impl PyMount {
         short_circuit: Option<Bound<'_, PyDict>>,
         workers: usize,
         connections: usize,
+        file_uid: Option<u32>,
+        file_gid: Option<u32>,
+        file_mode: Option<u32>,
+        dir_mode: Option<u32>,
     ) -> PyResult<PyMount> {
         if !(deadline_s.is_finite() && deadline_s > 0.0) {
             return Err(project_error(
@@ -96,6 +101,10 @@ impl PyMount {
         cfg.options = options;
         cfg.uid = uid;
         cfg.gid = gid;
+        cfg.file_uid = file_uid;
+        cfg.file_gid = file_gid;
+        cfg.file_mode = file_mode;
+        cfg.dir_mode = dir_mode;
         cfg.created_ns = created_ns;
         cfg.short_circuit = short_circuit.as_ref().map(sc_config).transpose()?;
         cfg.workers = workers;

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import functools
 import hashlib
 import os
 import subprocess
@@ -13,6 +14,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from spokefs.errors import ConfigError
+from spokefs.mount.options import apply_o, parse_mode
 from spokefs.units import parse_duration, parse_size
 
 if TYPE_CHECKING:
@@ -27,11 +29,15 @@ def register(sub: argparse._SubParsersAction) -> None:
         "start (URL without @SNAPSHOT = the latest) and stays pinned. File listings and "
         "stat come from the snapshot's manifest and never cross the network; reads go to "
         "the spoke or hub in the URL, or through a cache inside this process with "
-        "--cache-dir. Without --foreground the command returns once the mount works.",
+        "--cache-dir. Without --foreground the command returns once the mount works. "
+        "/etc/fstab and `mount -t fuse.spokefs URL DIR` run it through mount.fuse.spokefs "
+        "(docs/mount.md).",
         epilog="examples:\n"
         "  spokefs mount http://127.0.0.1:8471/imagenet /mnt/imagenet\n"
         "  spokefs mount http://hub:8470/imagenet@3fa9c1d20b7e /mnt/in --cache-dir /nvme/c "
         "--cache-size 500GiB\n"
+        "  spokefs mount http://spoke:8471/imagenet /mnt/in -o allow_other,uid=1000,"
+        "file_mode=0440\n"
         "  spokefs umount /mnt/imagenet",
         formatter_class=argparse.RawDescriptionHelpFormatter)
     m.add_argument("url", metavar="URL",
@@ -62,8 +68,21 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="the spoke's cache folder on this host, for the short circuit (by "
                    "default the folder the spoke's status names, which it shows only to an "
                    "admin token or without --auth)")
-    m.add_argument("--engine", choices=("auto", "native", "python"),
-                   default=os.environ.get("SPOKEFS_MOUNT_ENGINE") or "auto",
+    m.add_argument("--uid", type=int, metavar="UID",
+                   help="the owner every file and folder shows (default: the user who mounts)")
+    m.add_argument("--gid", type=int, metavar="GID",
+                   help="the group every file and folder shows (default: the mounting user's)")
+    m.add_argument("--file-mode", type=parse_mode, metavar="MODE",
+                   help="permission bits of every file, in octal, e.g. 0444 (default: each "
+                   "file's own from the snapshot, without setuid, setgid or sticky)")
+    m.add_argument("--dir-mode", type=parse_mode, metavar="MODE",
+                   help="permission bits of every folder, in octal (default 0555)")
+    m.add_argument("-o", dest="options", action="append", metavar="OPT[,OPT...]",
+                   help="mount options as mount(8) gives them: allow_other, ro, uid=N, "
+                   "gid=N, file_mode=M, dir_mode=M, noexec; any option above as key=value "
+                   "(deadline=60s, engine=python, no_short_circuit); fstab's own (defaults, "
+                   "rw, auto, noauto, user, nofail, _netdev, x-*) are ignored")
+    m.add_argument("--engine", choices=("auto", "native", "python"), default="auto",
                    help="what serves the mount: native (a Rust FUSE daemon; plain http, no "
                    "--cache-dir), python (pyfuse3; everything), or auto (native when it can, "
                    "else python; the default, or SPOKEFS_MOUNT_ENGINE). The log says which")
@@ -71,7 +90,7 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="where a background mount logs (default "
                    "~/.local/state/spokefs/mount/NAME-HASH.log)")
     m.add_argument("--ready-fd", type=int, help=argparse.SUPPRESS)  # set by the daemoniser
-    m.set_defaults(func=_mount)
+    m.set_defaults(func=functools.partial(_mount, m))
 
     u = sub.add_parser(
         "umount", help="unmount a spokefs mount (also a dead one)",
@@ -82,9 +101,10 @@ def register(sub: argparse._SubParsersAction) -> None:
     u.set_defaults(func=_umount)
 
 
-def _mount(args: argparse.Namespace) -> int:
+def _mount(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
     from spokefs.mount.run import DEFAULT_READ_AHEAD_KB, MountOptions
 
+    extra = apply_o(parser, args, args.options or [])
     if (args.cache_dir is None) != (args.cache_size is None):
         raise ConfigError("--cache-dir and --cache-size go together (embedded cache)")
     if args.deadline <= 0:
@@ -94,7 +114,9 @@ def _mount(args: argparse.Namespace) -> int:
                         allow_other=args.allow_other,
                         read_ahead_kb=args.read_ahead_kb or DEFAULT_READ_AHEAD_KB,
                         short_circuit=not args.no_short_circuit,
-                        spoke_cache=args.spoke_cache, engine=args.engine)
+                        spoke_cache=args.spoke_cache, engine=args.engine, uid=args.uid,
+                        gid=args.gid, file_mode=args.file_mode, dir_mode=args.dir_mode,
+                        extra_options=tuple(extra))
     if not args.foreground:
         return _daemonise(args)
     return _foreground(opts, args.ready_fd)
@@ -120,26 +142,24 @@ def _default_log(mountpoint: Path) -> Path:
     return state / "spokefs" / "mount" / f"{mountpoint.absolute().name or 'root'}-{tag}.log"
 
 
+def child_command(argv: list[str], ready_fd: int) -> list[str]:
+    """The background mount's child: this very command line, in the foreground, telling
+    ``ready_fd`` when it is ready. Whole, so every option reaches it (flags, and the
+    environment and --config file it inherits), however many are added later."""
+    from spokefs.procs import cli
+
+    extra = ["--foreground", "--ready-fd", str(ready_fd)]
+    cut = argv.index("--") if "--" in argv else len(argv)  # after "--" all is positional
+    return cli(*argv[:cut], *extra, *argv[cut:])
+
+
 def _daemonise(args: argparse.Namespace) -> int:
     """Run the mount as a detached child and return once it says it is ready."""
     log_file = args.log_file or _default_log(args.mountpoint)
     log_file.parent.mkdir(parents=True, exist_ok=True)
+    argv = getattr(args, "_argv", None)
     r, w = os.pipe()
-    cmd = [sys.executable, "-m", "spokefs.cli", *["-v"] * args.verbose, "mount",
-           "--foreground", "--ready-fd", str(w), "--deadline", repr(args.deadline)]
-    if args.cache_dir is not None:
-        cmd += ["--cache-dir", str(args.cache_dir.absolute()), "--cache-size",
-                str(args.cache_size)]
-    if args.allow_other:
-        cmd.append("--allow-other")
-    if args.read_ahead_kb is not None:
-        cmd += ["--read-ahead-kb", str(args.read_ahead_kb)]
-    if args.no_short_circuit:
-        cmd.append("--no-short-circuit")
-    if args.spoke_cache is not None:
-        cmd += ["--spoke-cache", str(args.spoke_cache.absolute())]
-    cmd += ["--engine", args.engine]
-    cmd += [args.url, str(args.mountpoint.absolute())]
+    cmd = child_command(sys.argv[1:] if argv is None else argv, w)
     with open(log_file, "ab") as log:
         child = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=log, stderr=log,
                                  pass_fds=(w,), start_new_session=True)

@@ -19,7 +19,7 @@ from typing import NoReturn, Protocol
 import pyfuse3
 
 from spokefs.errors import ReadFailed
-from spokefs.mount.inodes import Attr, InodeTable
+from spokefs.mount.inodes import Attr, InodeTable, Perms
 
 log = logging.getLogger(__name__)
 
@@ -51,13 +51,12 @@ def _erofs() -> pyfuse3.FUSEError:
 class SnapshotFS(pyfuse3.Operations):
     """pyfuse3 handlers over an ``InodeTable`` (metadata) and a ``Reader`` (bytes)."""
 
-    def __init__(self, table: InodeTable, reader: Reader) -> None:
+    def __init__(self, table: InodeTable, reader: Reader, perms: Perms | None = None) -> None:
         super().__init__()
         self.table = table
         self.reader = reader
         self.counters = Counters()
-        self._uid = os.getuid()
-        self._gid = os.getgid()
+        self.perms = perms or Perms(os.getuid(), os.getgid())
 
     # -- metadata ----------------------------------------------------------------------------
     def _entry(self, ino: int) -> pyfuse3.EntryAttributes:
@@ -70,10 +69,10 @@ class SnapshotFS(pyfuse3.Operations):
         e.generation = 0
         e.entry_timeout = CACHE_TIMEOUT
         e.attr_timeout = CACHE_TIMEOUT
-        e.st_mode = a.mode
+        e.st_mode = self.perms.mode(a)
         e.st_nlink = a.nlink
-        e.st_uid = self._uid
-        e.st_gid = self._gid
+        e.st_uid = self.perms.uid
+        e.st_gid = self.perms.gid
         e.st_rdev = 0
         e.st_size = a.size
         e.st_blksize = BLKSIZE

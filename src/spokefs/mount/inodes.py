@@ -33,6 +33,26 @@ class Attr:
     nlink: int
 
 
+@dataclass(frozen=True, slots=True)
+class Perms:
+    """The owner and permission bits stat shows for every inode (``--uid``, ``--gid``,
+    ``--file-mode``, ``--dir-mode``); with ``default_permissions`` the kernel checks access
+    against them. ``file_mode`` None: each file's own bits from the snapshot."""
+
+    uid: int
+    gid: int
+    file_mode: int | None = None
+    dir_mode: int = 0o555
+
+    def mode(self, a: Attr) -> int:
+        """``a``'s mode with these permission bits."""
+        if statmod.S_ISDIR(a.mode):
+            return statmod.S_IFDIR | self.dir_mode
+        if self.file_mode is not None:
+            return statmod.S_IFREG | self.file_mode
+        return a.mode
+
+
 class InodeTable:
     """Read-only view of one snapshot as inodes: lookup, attributes, directory listings."""
 

@@ -99,7 +99,8 @@ async def serve_native(opts: MountOptions, mountpoint: Path, source: UpstreamSou
         versions=m.versions, dirs=m.dirs, block_size=m.block_size, dataset=m.dataset,
         snapshot=m.snapshot, base_url=source.target.base, token=client_token(),
         deadline_s=opts.deadline, options=sorted(options), uid=os.getuid(), gid=os.getgid(),
-        created_ns=int(m.created * 1e9), short_circuit=sc)
+        created_ns=int(m.created * 1e9), short_circuit=sc, file_uid=opts.uid,
+        file_gid=opts.gid, file_mode=opts.file_mode, dir_mode=opts.dir_mode)
     dataset, snapshot = m.dataset, m.snapshot
     del m, manifest
     await source.close()  # the setup's HTTP clients; the daemon has its own

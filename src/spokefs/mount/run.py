@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING
 from spokefs.errors import ConfigError, ReadFailed, UpstreamUnavailable
 from spokefs.mount import sysfs
 from spokefs.mount.coalesce import Coalescer
-from spokefs.mount.inodes import InodeTable
+from spokefs.mount.inodes import InodeTable, Perms
 from spokefs.mount.native import choose, serve_native
 from spokefs.mount.process import unmount
 from spokefs.mount.source import EmbeddedSource, Source, Target, UpstreamSource
@@ -50,6 +50,18 @@ class MountOptions:
     short_circuit: bool = True         # read the spoke's cache files when on its host
     spoke_cache: Path | None = None    # the spoke's cache folder here (else its status's)
     engine: str = "auto"               # auto, native (Rust daemon), python (spokefs.mount.native)
+    uid: int | None = None             # what stat shows (None: the mounting user's)
+    gid: int | None = None
+    file_mode: int | None = None       # None: each file's own bits from the snapshot
+    dir_mode: int | None = None        # None: 0o555
+    extra_options: tuple[str, ...] = ()  # more kernel options (-o noexec)
+
+
+def perms(opts: MountOptions) -> Perms:
+    """The owner and permission bits both engines show."""
+    return Perms(os.getuid() if opts.uid is None else opts.uid,
+                 os.getgid() if opts.gid is None else opts.gid, opts.file_mode,
+                 0o555 if opts.dir_mode is None else opts.dir_mode)
 
 
 def fuse_options(opts: MountOptions) -> set[str]:
@@ -57,6 +69,7 @@ def fuse_options(opts: MountOptions) -> set[str]:
     o = {"fsname=spokefs", "subtype=spokefs", "ro", "default_permissions", "nosuid", "nodev"}
     if opts.allow_other:
         o.add("allow_other")
+    o.update(opts.extra_options)
     return o
 
 
@@ -125,7 +138,8 @@ async def serve(opts: MountOptions, on_ready: Callable[[str], None]) -> None:
         # huge blocks would otherwise hold few of them per stream).
         reader = Coalescer(source.read_into, min(table.block_size, FETCH_UNIT))
         try:
-            await _serve_fuse(opts, mountpoint, SnapshotFS(table, reader), on_ready)
+            await _serve_fuse(opts, mountpoint, SnapshotFS(table, reader, perms(opts)),
+                              on_ready)
         finally:
             await reader.close()
     finally:
