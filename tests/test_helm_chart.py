@@ -8,7 +8,9 @@ Kubernetes the chart supports and the newest the package knows, plus the API ser
 for pods that no schema holds (Bidirectional propagation, privilege escalation). The
 ServiceMonitor and cert-manager's Issuer and Certificate are custom resources those schemas
 lack: each is checked against a small schema of the fields the chart uses, written after its
-CRD (monitoring.coreos.com/v1, cert-manager.io/v1).
+CRD (monitoring.coreos.com/v1, cert-manager.io/v1). The ServiceMonitor renders only where the
+Prometheus operator's CRDs are served (`.Capabilities.APIVersions`): rendering sees no cluster,
+so that case is rendered from a copy of the chart that says they are.
 
 The chart's own certificate (genCA, genSignedCert) is parsed and used for real TLS handshakes
 with the servers' TLS setup (spokefs.wire.tls) and Python's client verification. Rendering sees
@@ -165,20 +167,71 @@ CERTIFICATE_SCHEMA: dict[str, Any] = {
             }},
     },
 }
+# monitoring.coreos.com/v1 PrometheusRule, after its CRD: groups of alerting or recording rules.
+PROMETHEUS_RULE_SCHEMA: dict[str, Any] = {
+    "type": "object", "required": ["apiVersion", "kind", "metadata", "spec"],
+    "additionalProperties": False,
+    "properties": {
+        "apiVersion": {"const": "monitoring.coreos.com/v1"},
+        "kind": {"const": "PrometheusRule"},
+        "metadata": _METADATA,
+        "spec": {"type": "object", "additionalProperties": False, "properties": {
+            "groups": {"type": "array", "items": {
+                "type": "object", "required": ["name", "rules"], "additionalProperties": False,
+                "properties": {
+                    "name": {"type": "string", "minLength": 1},
+                    "interval": _DURATION,
+                    "rules": {"type": "array", "items": {
+                        "type": "object", "required": ["expr"], "additionalProperties": False,
+                        "oneOf": [{"required": ["alert"]}, {"required": ["record"]}],
+                        "properties": {
+                            "alert": {"type": "string", "minLength": 1},
+                            "record": {"type": "string", "minLength": 1},
+                            "expr": {"type": ["string", "integer"]},
+                            "for": _DURATION,
+                            "keep_firing_for": _DURATION,
+                            "labels": _LABELS, "annotations": _LABELS}}}}}}}},
+    },
+}
 CUSTOM_SCHEMAS = {("monitoring.coreos.com/v1", "ServiceMonitor"): SERVICE_MONITOR_SCHEMA,
+                  ("monitoring.coreos.com/v1", "PrometheusRule"): PROMETHEUS_RULE_SCHEMA,
                   ("cert-manager.io/v1", "Issuer"): ISSUER_SCHEMA,
                   ("cert-manager.io/v1", "Certificate"): CERTIFICATE_SCHEMA}
 
 
-def render(values: dict[str, Any] | None = None) -> list[dict[str, Any]]:
-    with helm_python.Chart.load(CHART) as chart:
-        out = chart.render(values, name="train", namespace=NAMESPACE)
+def render(values: dict[str, Any] | None = None, chart: Path = CHART) -> list[dict[str, Any]]:
+    with helm_python.Chart.load(chart) as c:
+        out = c.render(values, name="train", namespace=NAMESPACE)
     docs = []
     for path, text in sorted(out.items()):
         if path.endswith("NOTES.txt"):
             continue
         docs.extend(d for d in yaml.safe_load_all(text) if d)
     return docs
+
+
+def notes(values: dict[str, Any] | None = None) -> str:
+    with helm_python.Chart.load(CHART) as c:
+        out = c.render(values, name="train", namespace=NAMESPACE)
+    return next(text for path, text in out.items() if path.endswith("NOTES.txt"))
+
+
+OPERATOR_CHECK = '.Capabilities.APIVersions.Has "monitoring.coreos.com/v1"'
+
+
+@pytest.fixture(scope="module")
+def operator_chart(tmp_path_factory) -> Path:
+    """A copy of the chart rendered as on a cluster that serves the Prometheus operator's
+    CRDs: its one check of them (`spokefs.prometheusOperator`) says yes."""
+    import shutil
+
+    copy = tmp_path_factory.mktemp("operator") / "spokefs"
+    shutil.copytree(CHART, copy)
+    helpers = copy / "templates" / "_helpers.tpl"
+    assert helpers.read_text().count(OPERATOR_CHECK) == 1, "_helpers.tpl: the check moved"
+    for t in (copy / "templates").iterdir():
+        t.write_text(t.read_text().replace(OPERATOR_CHECK, "true"))
+    return copy
 
 
 def pod_spec(doc: dict[str, Any]) -> dict[str, Any] | None:
@@ -215,7 +268,8 @@ def validate_all(docs: list[dict[str, Any]]) -> None:
             jsonschema.validate(doc, custom)
             continue
         assert "." not in doc["apiVersion"].split("/")[0] or doc["apiVersion"].startswith(
-            ("apps/", "policy/", "rbac.authorization.k8s.io/", "networking.k8s.io/")), (
+            ("apps/", "policy/", "rbac.authorization.k8s.io/", "networking.k8s.io/",
+             "storage.k8s.io/")), (
             f"{what}: a custom resource without a schema here")
         for version in KUBE_VERSIONS:
             try:
@@ -296,11 +350,13 @@ def test_default_values_render_valid_manifests():
     docs = render()
     validate_all(docs)
     kinds = sorted(d["kind"] for d in docs)
+    # no ServiceMonitor: `helm template` (and an install on a cluster without the Prometheus
+    # operator) renders nothing that needs its CRDs; no CSI driver unless asked for
     assert kinds == sorted(["PersistentVolumeClaim", "Deployment", "Service", "StatefulSet",
                             "Service", "Service", "PodDisruptionBudget", "ServiceAccount",
-                            "Role", "RoleBinding", "DaemonSet", "ServiceMonitor",
-                            "ServiceMonitor", "Secret", "Secret", "NetworkPolicy",
-                            "NetworkPolicy"])
+                            "Role", "RoleBinding", "DaemonSet", "Secret", "Secret",
+                            "NetworkPolicy", "NetworkPolicy"])
+    assert not [d for d in docs if d["apiVersion"].startswith("monitoring.coreos.com/")]
     # tokens come from a Secret the operator makes; the two here are the chart's CA and
     # certificate
     assert {s["metadata"]["name"] for s in by_kind(docs, "Secret")} == {
@@ -319,10 +375,6 @@ def test_default_values_render_valid_manifests():
     claim = spoke["spec"]["volumeClaimTemplates"][0]["spec"]
     assert claim["storageClassName"] == "local-storage"
     assert spoke["spec"]["template"]["spec"]["securityContext"]["runAsNonRoot"] is True
-    probe = container(spoke)["readinessProbe"]["exec"]["command"]
-    assert probe[-2:] == ["--json", "https://localhost:8471"]
-    assert "--token-file=/etc/spokefs/tokens/monitor.token" in probe
-    assert "--ca-bundle=/etc/spokefs/ca/ca.crt" in probe
 
     hub = one(docs, "Deployment")
     assert hub["spec"]["template"]["spec"]["volumes"][0] == {
@@ -346,6 +398,40 @@ def test_default_values_render_valid_manifests():
     assert vols["fuse"]["hostPath"] == {"path": "/dev/fuse", "type": "CharDevice"}
     assert [i["key"] for i in vols["tokens"]["secret"]["items"]] == ["client.token"]
 
+
+def test_probes_are_plain_http_gets_without_a_token():
+    """/healthz (the event loop answers) for startup and liveness, /readyz (the upstream or the
+    cache is usable) for readiness: no token, no command run in the pod, https with TLS."""
+    for values, scheme in (({}, "HTTPS"), ({"tls": {"enabled": False}}, "HTTP"),
+                           ({"auth": {"enabled": False}, "tls": {"enabled": False}}, "HTTP")):
+        docs = render(values)
+        for server in (one(docs, "StatefulSet"), one(docs, "Deployment")):
+            c = container(server)
+            for probe, path in (("startupProbe", "/healthz"), ("livenessProbe", "/healthz"),
+                                ("readinessProbe", "/readyz")):
+                assert c[probe]["httpGet"] == {"path": path, "port": "http", "scheme": scheme}
+                assert "exec" not in c[probe] and "tcpSocket" not in c[probe]
+            # nothing in the pod presents monitor.token any more: it is not mounted
+            if "tokens" in volumes(server):
+                keys = [i["key"] for i in volumes(server)["tokens"]["secret"]["items"]]
+                assert "monitor.token" not in keys
+    hub = container(one(render(), "Deployment"))
+    assert hub["startupProbe"]["failureThreshold"] == 720  # hub.startupSeconds / 10
+
+
+def test_service_monitors_only_where_the_operator_is(operator_chart):
+    # without the CRDs (no cluster, or one without the operator): none, even when enabled
+    assert not by_kind(render({"serviceMonitor": {"enabled": True}}), "ServiceMonitor")
+    docs = render(chart=operator_chart)
+    validate_all(docs)
+    assert not by_kind(render({"serviceMonitor": {"enabled": False}}, chart=operator_chart),
+                       "ServiceMonitor")
+    # the PrometheusRule (prometheusRule.enabled) likewise: only with the operator's CRDs
+    assert not [d for d in render({"prometheusRule": {"enabled": True}})
+                if d["apiVersion"].startswith("monitoring.coreos.com/")]
+    rules = by_kind(render({"prometheusRule": {"enabled": True}}, chart=operator_chart),
+                    "PrometheusRule")
+    validate_all(rules)
     monitors = by_kind(docs, "ServiceMonitor")
     assert {m["metadata"]["name"] for m in monitors} == {"train-spokefs-hub",
                                                         "train-spokefs-spoke"}
@@ -547,8 +633,8 @@ def test_servers_and_clients_are_wired_to_the_chart_certificate():
     assert not [a for a in container(mount)["args"] if a.startswith("--tls")]
 
 
-def test_tls_disabled_removes_certificates_and_flags():
-    docs = render({"tls": {"enabled": False}})
+def test_tls_disabled_removes_certificates_and_flags(operator_chart):
+    docs = render({"tls": {"enabled": False}}, chart=operator_chart)
     validate_all(docs)
     assert not by_kind(docs, "Secret")
     spoke, hub, mount = one(docs, "StatefulSet"), one(docs, "Deployment"), one(docs, "DaemonSet")
@@ -816,7 +902,7 @@ def test_non_default_values_render_valid_manifests():
     assert spoke["spec"]["template"]["spec"]["automountServiceAccountToken"] is False
     anti = spoke["spec"]["template"]["spec"]["affinity"]["podAntiAffinity"]
     assert "requiredDuringSchedulingIgnoredDuringExecution" in anti
-    assert container(spoke)["readinessProbe"]["exec"]["command"][-1] == "https://localhost:8471"
+    assert container(spoke)["readinessProbe"]["httpGet"]["scheme"] == "HTTPS"
 
     hub = one(docs, "Deployment")
     assert "--block-size=8MiB" in container(hub)["args"]
@@ -834,23 +920,211 @@ def test_non_default_values_render_valid_manifests():
             '"/mnt/data/laion_5b"') in second
 
 
-def test_dns_membership_and_a_region_without_a_hub():
-    docs = render({"hub": {"enabled": False}, "tier": {"membership": "dns", "copies": False},
-                   "spoke": {"upstream": "http://hub.example.org:8470"},
-                   "tls": {"enabled": False},  # no certificate names pod IPs
-                   "auth": {"enabled": False}, "mount": {"enabled": False}})
+def test_dns_membership_and_a_region_without_a_hub(operator_chart):
+    values = {"hub": {"enabled": False}, "tier": {"membership": "dns", "copies": False},
+              "spoke": {"upstream": "http://hub.example.org:8470"},
+              "tls": {"enabled": False},  # no certificate names pod IPs
+              "auth": {"enabled": False}, "mount": {"enabled": False}}
+    docs = render(values)
     validate_all(docs)
     assert not by_kind(docs, "Deployment") and not by_kind(docs, "DaemonSet")
+    docs = render(values, chart=operator_chart)
     args = container(one(docs, "StatefulSet"))["args"]
     assert "--tier-dns=train-spokefs-spoke-headless.$(POD_NAMESPACE).svc.cluster.local" in args
     assert "--advertise=http://$(POD_IP):8471" in args and "--no-tier-copies" in args
     assert "--insecure" in args and "--upstream=http://hub.example.org:8470" in args
-    # without tokens the kubelet can ask /v1/status itself
     probe = container(one(docs, "StatefulSet"))["readinessProbe"]
-    assert probe["httpGet"] == {"path": "/v1/status", "port": "http"}
+    assert probe["httpGet"] == {"path": "/readyz", "port": "http", "scheme": "HTTP"}
     assert [m["metadata"]["name"] for m in by_kind(docs, "ServiceMonitor")] == [
         "train-spokefs-spoke"]
     assert "authorization" not in by_kind(docs, "ServiceMonitor")[0]["spec"]["endpoints"][0]
+
+
+CSI = {"csi": {"enabled": True}, "mount": {"enabled": False}}
+
+
+def test_csi_driver_renders_valid_manifests():
+    docs = render(CSI)
+    validate_all(docs)
+    driver = one(docs, "CSIDriver")
+    assert driver["metadata"]["name"] == "csi.spokefs.io"
+    assert driver["spec"] == {"attachRequired": False, "podInfoOnMount": True,
+                              "fsGroupPolicy": "None",
+                              "volumeLifecycleModes": ["Ephemeral", "Persistent"]}
+    ds = one(docs, "DaemonSet")
+    assert ds["metadata"]["name"] == "train-spokefs-csi-node"
+    assert ds["spec"]["updateStrategy"] == {"type": "OnDelete"}  # an upgrade ends no mount
+    spec = ds["spec"]["template"]["spec"]
+    assert spec["automountServiceAccountToken"] is False
+    assert not any(spec.get(k) for k in ("hostNetwork", "hostPID", "hostIPC"))
+    drv, reg = spec["containers"]
+    assert (drv["name"], reg["name"]) == ("driver", "node-driver-registrar")
+    assert drv["args"][:3] == ["--token-file=/etc/spokefs/tokens/client.token",
+                               "--ca-bundle=/etc/spokefs/ca/ca.crt", "csi"]
+    assert {"--endpoint=unix:///csi/csi.sock", "--node-id=$(NODE_NAME)",
+            "--state-dir=/var/lib/spokefs/csi", "--driver-name=csi.spokefs.io",
+            "--spoke-url=https://train-spokefs-spoke.ml.svc.cluster.local:8471"} <= set(
+        drv["args"])
+    assert {"name": "NODE_NAME", "valueFrom": {"fieldRef": {"fieldPath": "spec.nodeName"}}} \
+        in drv["env"]
+    assert "livenessProbe" not in drv  # a restart would take every mount of the node along
+    # Bidirectional on the driver only, onto the kubelet's pods folder at the same path
+    propagated = {c["name"]: [m for m in c["volumeMounts"] if m.get("mountPropagation")]
+                  for c in (drv, reg)}
+    assert propagated == {"driver": [{"name": "pods-dir", "mountPath": "/var/lib/kubelet/pods",
+                                      "mountPropagation": "Bidirectional"}],
+                          "node-driver-registrar": []}
+    assert drv["securityContext"] == {"privileged": True, "allowPrivilegeEscalation": True,
+                                      "runAsUser": 0, "runAsGroup": 0, "runAsNonRoot": False,
+                                      "readOnlyRootFilesystem": True}
+    assert "privileged" not in reg["securityContext"]
+    assert reg["securityContext"]["capabilities"] == {"drop": ["ALL"]}
+    assert reg["args"] == ["--csi-address=/csi/csi.sock", "--kubelet-registration-path="
+                           "/var/lib/kubelet/plugins/csi.spokefs.io/csi.sock"]
+    mounts = {c["name"]: {m["name"]: m["mountPath"] for m in c["volumeMounts"]}
+              for c in (drv, reg)}
+    assert mounts["node-driver-registrar"] == {"plugin-dir": "/csi",
+                                               "registration-dir": "/registration"}
+    assert mounts["driver"]["plugin-dir"] == "/csi"
+    hostpaths = {v["name"]: v["hostPath"] for v in spec["volumes"] if "hostPath" in v}
+    assert hostpaths == {
+        "plugin-dir": {"path": "/var/lib/kubelet/plugins/csi.spokefs.io",
+                       "type": "DirectoryOrCreate"},
+        "registration-dir": {"path": "/var/lib/kubelet/plugins_registry", "type": "Directory"},
+        "pods-dir": {"path": "/var/lib/kubelet/pods", "type": "Directory"},
+        "state": {"path": "/var/lib/spokefs/csi", "type": "DirectoryOrCreate"},
+        "fuse": {"path": "/dev/fuse", "type": "CharDevice"}}
+    assert [i["key"] for i in volumes(ds)["tokens"]["secret"]["items"]] == ["client.token"]
+    # the spokes admit the driver's pods (the mounts run there)
+    policy = named(docs, "NetworkPolicy", "train-spokefs-spoke")
+    assert any(selects(p.get("podSelector", {"matchLabels": {"x": "y"}}), pod_labels(ds))
+               for p in policy["spec"]["ingress"][0]["from"])
+
+    # another driver name, kubelet folder, spoke; a release of the driver only
+    docs = render({"hub": {"enabled": False}, "spoke": {"enabled": False},
+                   "mount": {"enabled": False}, "tls": {"caSecretName": "spokes-ca"},
+                   "csi": {"enabled": True, "driverName": "datasets.example.org",
+                           "kubeletDir": "/var/lib/k0s/kubelet/",
+                           "spokeUrl": "https://spokes.example.org:8471",
+                           "updateStrategy": {"type": "RollingUpdate"}}})
+    validate_all(docs)
+    assert one(docs, "CSIDriver")["metadata"]["name"] == "datasets.example.org"
+    ds = one(docs, "DaemonSet")
+    drv, reg = ds["spec"]["template"]["spec"]["containers"]
+    assert "--spoke-url=https://spokes.example.org:8471" in drv["args"]
+    assert reg["args"][1] == ("--kubelet-registration-path=/var/lib/k0s/kubelet/plugins/"
+                              "datasets.example.org/csi.sock")
+    assert volumes(ds)["pods-dir"]["hostPath"]["path"] == "/var/lib/k0s/kubelet/pods"
+
+
+# The Pod Security Standard "restricted" (v1.25 on), the rules a pod spec can break
+_RESTRICTED_VOLUMES = {"configMap", "csi", "downwardAPI", "emptyDir", "ephemeral",
+                       "persistentVolumeClaim", "projected", "secret"}
+
+
+def restricted_violations(spec: dict[str, Any]) -> list[str]:
+    bad = []
+    for v in spec.get("volumes", []):
+        kinds = set(v) - {"name"}
+        if not kinds <= _RESTRICTED_VOLUMES:
+            bad.append(f"volume {v['name']}: {sorted(kinds - _RESTRICTED_VOLUMES)}")
+    bad += [k for k in ("hostNetwork", "hostPID", "hostIPC") if spec.get(k)]
+    pod_sc = spec.get("securityContext", {})
+    for c in spec.get("initContainers", []) + spec["containers"]:
+        sc = c.get("securityContext", {})
+        name = c["name"]
+        if sc.get("privileged"):
+            bad.append(f"{name}: privileged")
+        if sc.get("allowPrivilegeEscalation") is not False:
+            bad.append(f"{name}: allowPrivilegeEscalation not false")
+        if not sc.get("runAsNonRoot", pod_sc.get("runAsNonRoot")):
+            bad.append(f"{name}: runAsNonRoot not true")
+        if sc.get("runAsUser", pod_sc.get("runAsUser")) == 0:
+            bad.append(f"{name}: runAsUser 0")
+        seccomp = sc.get("seccompProfile", pod_sc.get("seccompProfile", {})).get("type")
+        if seccomp not in ("RuntimeDefault", "Localhost"):
+            bad.append(f"{name}: seccompProfile {seccomp}")
+        caps = sc.get("capabilities", {})
+        if "ALL" not in caps.get("drop", []):
+            bad.append(f"{name}: capabilities not dropped")
+        if set(caps.get("add", [])) - {"NET_BIND_SERVICE"}:
+            bad.append(f"{name}: capabilities added")
+        if any(p.get("hostPort") for p in c.get("ports", [])):
+            bad.append(f"{name}: hostPort")
+    return bad
+
+
+def _example_pods() -> list[tuple[str, dict[str, Any]]]:
+    """The training pods with a CSI volume that docs/kubernetes.md and NOTES.txt show."""
+    import textwrap
+
+    found = []
+    for block in re.findall(r"```yaml\n(.*?)```", DOCS.read_text(), re.S):
+        for doc in yaml.safe_load_all(block):
+            if doc and doc.get("kind") == "Pod" and "csi" in str(doc):
+                found.append(("docs/kubernetes.md", doc))
+    text = notes(CSI)
+    block = text[text.index("  apiVersion: v1"):].split("\n\n", 1)[0]
+    found.append(("NOTES.txt", yaml.safe_load(textwrap.dedent(block))))
+    return found
+
+
+def test_training_pods_with_a_csi_volume_need_no_privilege():
+    pods = _example_pods()
+    assert [where for where, _ in pods] == ["docs/kubernetes.md", "NOTES.txt"]
+    for where, pod in pods:
+        validate_all([pod])
+        assert restricted_violations(pod["spec"]) == [], where
+        (volume,) = [v for v in pod["spec"]["volumes"] if "csi" in v]
+        assert volume["csi"]["driver"] == "csi.spokefs.io"
+        assert volume["csi"]["volumeAttributes"]["dataset"] == "imagenet"
+    # the check can fail: the hostPath way, and the driver itself, are not restricted
+    assert restricted_violations(one(render(), "DaemonSet")["spec"]["template"]["spec"])
+    assert restricted_violations(one(render(CSI), "DaemonSet")["spec"]["template"]["spec"])
+
+
+def test_pods_take_service_account_annotations_env_and_volumes():
+    irsa = {"eks.amazonaws.com/role-arn": "arn:aws:iam::111122223333:role/spokefs"}
+    env = [{"name": "AWS_REGION", "value": "eu-west-1"}]
+    vol = [{"name": "extra-ca", "configMap": {"name": "corp-ca"}}]
+    vm = [{"name": "extra-ca", "mountPath": "/etc/corp-ca", "readOnly": True}]
+    extras = {"podAnnotations": {"example.org/team": "vision"}, "extraEnv": env,
+              "extraVolumes": vol, "extraVolumeMounts": vm}
+    docs = render({"hub": {"serviceAccount": {"create": True, "annotations": irsa}, **extras},
+                   "spoke": {"serviceAccount": {"annotations": irsa}, **extras},
+                   "mount": extras, "csi": {"enabled": True, **extras}})
+    validate_all(docs)
+    accounts = {a["metadata"]["name"]: a for a in by_kind(docs, "ServiceAccount")}
+    assert set(accounts) == {"train-spokefs-hub", "train-spokefs-spoke"}
+    for name, a in accounts.items():
+        assert a["metadata"]["annotations"] == irsa, name
+    hub, spoke = one(docs, "Deployment"), one(docs, "StatefulSet")
+    assert hub["spec"]["template"]["spec"]["serviceAccountName"] == "train-spokefs-hub"
+    assert hub["spec"]["template"]["spec"]["automountServiceAccountToken"] is False
+    assert spoke["spec"]["template"]["spec"]["serviceAccountName"] == "train-spokefs-spoke"
+    assert one(docs, "RoleBinding")["subjects"][0]["name"] == "train-spokefs-spoke"
+    workloads = [hub, spoke, *by_kind(docs, "DaemonSet")]
+    assert len(workloads) == 4
+    for w in workloads:
+        annotations = w["spec"]["template"]["metadata"]["annotations"]
+        assert annotations["example.org/team"] == "vision"
+        c = container(w)
+        assert c["env"][-1] == env[0] and c["volumeMounts"][-1] == vm[0]
+        assert volumes(w)["extra-ca"] == vol[0]
+    # the servers keep their own annotation beside the extra one
+    assert "spokefs.io/tls-names" in hub["spec"]["template"]["metadata"]["annotations"]
+
+    # an existing service account of your own, e.g. made by eksctl or Terraform
+    docs = render({"tier": {"enabled": False},
+                   "hub": {"serviceAccount": {"name": "data-reader"}},
+                   "spoke": {"serviceAccount": {"name": "data-reader"}}})
+    assert not by_kind(docs, "ServiceAccount")
+    for w in (one(docs, "Deployment"), one(docs, "StatefulSet")):
+        assert w["spec"]["template"]["spec"]["serviceAccountName"] == "data-reader"
+        assert w["spec"]["template"]["spec"]["automountServiceAccountToken"] is False
+    # none asked for: the namespace's default account, no API token
+    spec = one(render(), "Deployment")["spec"]["template"]["spec"]
+    assert "serviceAccountName" not in spec and spec["automountServiceAccountToken"] is False
 
 
 @pytest.mark.parametrize(("values", "message"), [
@@ -879,6 +1153,20 @@ def test_dns_membership_and_a_region_without_a_hub():
      "give a namespaceSelector or a podSelector"),
     ({"networkPolicy": {"spoke": {"egress": {}}}}, "egress"),
     ({"networkPolicy": {"prometheus": {"podselector": {}}}}, "'podselector' not allowed"),
+    # the CSI driver, pod extras, the reserved PrometheusRule
+    ({"csi": {"enabled": True, "driverName": "Spokefs_CSI"}}, "does not match pattern"),
+    ({"csi": {"updateStrategy": {"type": "Recreate"}}}, "value must be one of"),
+    ({"csi": {"enable": True}}, "'enable' not allowed"),
+    ({"csi": {"spokeUrl": "https://spokes.example.org:8471/imagenet"}}, "does not match"),
+    ({"hub": {"enabled": False}, "spoke": {"enabled": False}, "mount": {"enabled": False},
+      "tls": {"caSecretName": "x"}, "csi": {"enabled": True}}, "csi.spokeUrl is required"),
+    ({"spoke": {"extraEnv": [{"value": "x"}]}}, "missing property 'name'"),
+    ({"hub": {"extraVolumeMounts": [{"name": "x", "mountPath": "relative"}]}},
+     "does not match"),
+    ({"hub": {"serviceAccount": {"annotations": {"a": 1}}}}, "want string"),
+    ({"spoke": {"podAnnotations": {"a": True}}}, "want string"),
+    ({"prometheusRule": {"enabeld": True}}, "'enabeld' not allowed"),
+    ({"prometheusRule": {"hitRatioBelow": 2}}, "maximum: got 2"),
 ])
 def test_bad_values_fail_with_a_message(values, message):
     with pytest.raises(helm_python.HelmError, match=message):

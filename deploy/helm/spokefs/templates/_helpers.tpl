@@ -51,6 +51,7 @@ app.kubernetes.io/component: {{ .component }}
 {{- define "spokefs.spokeName" -}}{{ include "spokefs.fullname" . }}-spoke{{- end -}}
 {{- define "spokefs.headlessName" -}}{{ include "spokefs.fullname" . }}-spoke-headless{{- end -}}
 {{- define "spokefs.mountName" -}}{{ include "spokefs.fullname" . }}-mount{{- end -}}
+{{- define "spokefs.csiName" -}}{{ include "spokefs.fullname" . }}-csi-node{{- end -}}
 
 {{- define "spokefs.hubUrl" -}}
 {{- printf "%s://%s.%s.svc.%s:%v" (include "spokefs.scheme" .) (include "spokefs.hubName" .) .Release.Namespace .Values.clusterDomain .Values.hub.port -}}
@@ -69,10 +70,27 @@ app.kubernetes.io/component: {{ .component }}
 {{- define "spokefs.spokeUrl" -}}
 {{- if .Values.mount.spokeUrl -}}
 {{- .Values.mount.spokeUrl -}}
-{{- else if .Values.spoke.enabled -}}
-{{- printf "%s://%s.%s.svc.%s:%v" (include "spokefs.scheme" .) (include "spokefs.spokeName" .) .Release.Namespace .Values.clusterDomain .Values.spoke.port -}}
 {{- else -}}
-{{- fail "mount.spokeUrl is required when spoke.enabled is false" -}}
+{{- include "spokefs.releaseSpokeUrl" (dict "root" . "what" "mount.spokeUrl") -}}
+{{- end -}}
+{{- end -}}
+
+{{/* The CSI driver's default spoke: csi.spokeUrl, else this release's spoke Service */}}
+{{- define "spokefs.csiSpokeUrl" -}}
+{{- if .Values.csi.spokeUrl -}}
+{{- .Values.csi.spokeUrl -}}
+{{- else -}}
+{{- include "spokefs.releaseSpokeUrl" (dict "root" . "what" "csi.spokeUrl") -}}
+{{- end -}}
+{{- end -}}
+
+{{/* This release's spoke Service URL: (dict "root" . "what" "the value that replaces it") */}}
+{{- define "spokefs.releaseSpokeUrl" -}}
+{{- $root := .root -}}
+{{- if $root.Values.spoke.enabled -}}
+{{- printf "%s://%s.%s.svc.%s:%v" (include "spokefs.scheme" $root) (include "spokefs.spokeName" $root) $root.Release.Namespace $root.Values.clusterDomain $root.Values.spoke.port -}}
+{{- else -}}
+{{- fail (printf "%s is required when spoke.enabled is false" .what) -}}
 {{- end -}}
 {{- end -}}
 
@@ -103,29 +121,25 @@ Global options every spokefs command in a pod takes: the token it presents and t
 {{- end -}}
 
 {{/*
-Readiness: GET /v1/status. With tokens a kubelet httpGet would need the token in the pod spec,
-so the probe runs `spokefs status` with monitor.token instead (~0.8 CPU-s a probe, hence the
-long period). (dict "root" . "port" 8471)
+An HTTP probe of a server: GET /healthz (liveness, startup: the event loop answers) or /readyz
+(readiness: the upstream or the cache is usable). Both need no token and carry no data, so the
+kubelet asks them itself, over https with TLS (the kubelet does not check the certificate).
+(dict "root" . "path" "/healthz")
 */}}
-{{- define "spokefs.readiness" -}}
-{{- if or .root.Values.auth.enabled .root.Values.tls.enabled -}}
-exec:
-  command:
-    - spokefs
-    {{- include "spokefs.clientArgs" (dict "root" .root "token" "monitor.token") | trim | nindent 4 }}
-    - status
-    - --json
-    - {{ printf "%s://localhost:%v" (include "spokefs.scheme" .root) .port }}
-timeoutSeconds: 10
-periodSeconds: 20
-{{- else -}}
+{{- define "spokefs.httpProbe" -}}
 httpGet:
-  path: /v1/status
+  path: {{ .path }}
   port: http
-timeoutSeconds: 5
-periodSeconds: 10
-{{- end }}
-failureThreshold: 3
+  scheme: {{ ternary "HTTPS" "HTTP" .root.Values.tls.enabled }}
+{{- end -}}
+
+{{/*
+Whether the Prometheus operator's CRDs are served (monitoring.coreos.com/v1): the
+ServiceMonitors and the PrometheusRule render only then, so an install on a cluster without
+the operator succeeds. `helm template` sees no cluster: pass --api-versions monitoring.coreos.com/v1.
+*/}}
+{{- define "spokefs.prometheusOperator" -}}
+{{- if .Capabilities.APIVersions.Has "monitoring.coreos.com/v1" }}true{{ end -}}
 {{- end -}}
 
 {{/* Token and CA volumes: (dict "root" . "keys" (list "monitor.token" ...) "server" true) */}}
@@ -222,6 +236,17 @@ spokefs.io/tls-names: {{ include "spokefs.tlsNamesDigest" .root | quote }}
 {{- end }}
 {{- end -}}
 
+{{/* A pod's annotations: the servers' own (above) and the values' podAnnotations.
+(dict "root" . "extra" .Values.hub.podAnnotations "server" true) */}}
+{{- define "spokefs.podAnnotations" -}}
+{{- $all := dict -}}
+{{- if or (not (hasKey . "server")) .server -}}
+{{- $all = include "spokefs.serverPodAnnotations" (dict "root" .root) | fromYaml | default dict -}}
+{{- end -}}
+{{- with .extra }}{{ $all = merge $all . }}{{ end -}}
+{{- with $all }}{{ toYaml . }}{{ end -}}
+{{- end -}}
+
 {{/*
 The ingress peers of a server's NetworkPolicy, as a JSON list: (dict "root" . "component" "spoke")
 */}}
@@ -236,6 +261,9 @@ The ingress peers of a server's NetworkPolicy, as a JSON list: (dict "root" . "c
 {{- end -}}
 {{- if $v.mount.enabled -}}
 {{- $peers = append $peers (dict "podSelector" (dict "matchLabels" (include "spokefs.selector" (dict "root" $root "component" "mount") | fromYaml))) -}}
+{{- end -}}
+{{- if $v.csi.enabled -}}
+{{- $peers = append $peers (dict "podSelector" (dict "matchLabels" (include "spokefs.selector" (dict "root" $root "component" "csi-node") | fromYaml))) -}}
 {{- end -}}
 {{- else if $v.spoke.enabled -}}
 {{- $peers = append $peers (dict "podSelector" (dict "matchLabels" (include "spokefs.selector" (dict "root" $root "component" "spoke") | fromYaml))) -}}
