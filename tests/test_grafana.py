@@ -1,10 +1,13 @@
-"""The Grafana dashboard shipped in deploy/grafana/ asks only for metrics a real hub and spoke
-export, and those metrics follow Prometheus's naming conventions."""
+"""The Grafana dashboard shipped in deploy/grafana/ and the chart's alert rules (its
+PrometheusRule) ask only for metrics a real hub and spoke export (a spoke in a tier, a hub
+over a bucket), and those metrics follow Prometheus's naming conventions."""
 
 from __future__ import annotations
 
 import json
 import re
+import shutil
+import socket
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -13,10 +16,15 @@ import pytest
 import urllib3
 from prometheus_client.parser import text_string_to_metric_families
 
-from servers import ServerProcess
+from servers import ServerProcess, spoke
 
-DASHBOARD = Path(__file__).parent.parent / "deploy" / "grafana" / "spokefs.json"
+ROOT = Path(__file__).parent.parent
+DASHBOARD = ROOT / "deploy" / "grafana" / "spokefs.json"
+CHART = ROOT / "deploy" / "helm" / "spokefs"
+RULES = CHART / "templates" / "prometheusrule.yaml"
+CAPABILITY = '(.Capabilities.APIVersions.Has "monitoring.coreos.com/v1")'
 METRIC = re.compile(r"\bspokefs_[a-zA-Z0-9_]+")
+SELECTOR = re.compile(r"\b(spokefs_[a-zA-Z0-9_]+)(\{[^}]*\})?")
 # The sample names each kind of family exposes (prometheus_client adds the suffixes).
 SUFFIXES = {"counter": ("_total", "_created"), "gauge": ("",),
             "histogram": ("_bucket", "_count", "_sum", "_created"),
@@ -44,9 +52,74 @@ def scrape(url: str) -> list[Any]:
     return [f for f in text_string_to_metric_families(text) if f.name.startswith("spokefs_")]
 
 
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
 @pytest.fixture
-def families(hub_server: ServerProcess, spoke_server: ServerProcess) -> dict[str, Any]:
-    return {f.name: f for url in (hub_server.url, spoke_server.url) for f in scrape(url)}
+def families(hub_server: ServerProcess, tmp_path: Path) -> Iterator[dict[str, Any]]:
+    """Every family a hub on a folder, a spoke in a tier and (where the s3 extra and moto
+    are installed) a hub over a bucket export: real processes, scraped."""
+    port = free_port()
+    # a tier of this spoke and a member that never answers: the tier's metrics are there
+    members = f"http://127.0.0.1:{port},http://127.0.0.1:{free_port()}"
+    with spoke(hub_server.url, tmp_path / "cache", "1GiB", "--port", str(port), "--workers",
+               "1", "--tier", members, "--tier-timeout", "1s") as s:
+        out = {f.name: f for url in (hub_server.url, s.url) for f in scrape(url)}
+        out.update(bucket_hub_families(tmp_path))
+        yield out
+
+
+def bucket_hub_families(tmp_path: Path) -> dict[str, Any]:
+    try:
+        import boto3
+
+        from spokefs_bench.s3server import TEST_ENV, S3Server
+    except ImportError:  # the s3 extra or moto missing: the test of their metrics skips
+        return {}
+    with S3Server() as s3:
+        boto3.client("s3", endpoint_url=s3.url, region_name=TEST_ENV["AWS_REGION"],
+                     aws_access_key_id=TEST_ENV["AWS_ACCESS_KEY_ID"],
+                     aws_secret_access_key=TEST_ENV["AWS_SECRET_ACCESS_KEY"]
+                     ).create_bucket(Bucket="metrics")
+        with ServerProcess("hub", "serve", "s3://metrics/ds", "--port", "0", "--state-dir",
+                           str(tmp_path / "bucket-state"),
+                           env={**TEST_ENV, "AWS_ENDPOINT_URL": s3.url}) as h:
+            return {f.name: f for f in scrape(h.url)}
+
+
+def exported_names(families: dict[str, Any]) -> set[str]:
+    return {f.name + suffix for f in families.values() for suffix in SUFFIXES[f.type]}
+
+
+def render_rules(values: dict[str, Any], tmp_path: Path, capability: bool
+                 ) -> list[dict[str, Any]]:
+    """The chart's PrometheusRule documents rendered by Helm's own engine, on a copy of the
+    chart. Helm's offline render offers no cluster API versions: ``capability`` stands the
+    check for monitoring.coreos.com/v1 in with true (else it stays, and is false). The copy
+    drops values.schema.json (tests/test_helm_chart.py checks the schema), so the rules are
+    tested whether or not the schema lists prometheusRule yet."""
+    helm_python = pytest.importorskip("helm_python", reason="helm-python-sdk renders the chart")
+    yaml = pytest.importorskip("yaml")
+    chart = tmp_path / "chart"
+    shutil.copytree(CHART, chart)
+    (chart / "values.schema.json").unlink(missing_ok=True)
+    template = chart / "templates" / RULES.name
+    text = template.read_text()
+    assert CAPABILITY in text, "the rules must be rendered only where the operator's API is"
+    if capability:
+        template.write_text(text.replace(CAPABILITY, "true"))
+    with helm_python.Chart.load(chart) as c:
+        out = c.render(values, name="train", namespace="ml")
+    return [d for d in yaml.safe_load_all(out.get(f"spokefs/templates/{RULES.name}", ""))
+            if d]
+
+
+def rule_queries(docs: list[dict[str, Any]]) -> dict[str, str]:
+    return {r["alert"]: r["expr"] for d in docs for g in d["spec"]["groups"]
+            for r in g["rules"]}
 
 
 def test_dashboard_is_well_formed() -> None:
@@ -74,12 +147,67 @@ def test_dashboard_covers_what_an_operator_asks() -> None:
         assert name in used, name
 
 
-def test_every_metric_in_the_dashboard_exists(families: dict[str, Any]) -> None:
-    exported = {f.name + suffix for f in families.values() for suffix in SUFFIXES[f.type]}
+def test_dashboard_has_tier_panels_and_cluster_namespace_variables() -> None:
+    doc = json.loads(DASHBOARD.read_text())
+    names = [v["name"] for v in doc["templating"]["list"]]
+    assert names[:3] == ["datasource", "cluster", "namespace"], names
+    used = {m for q in queries(doc) for m in METRIC.findall(q)}
+    for name in ("spokefs_tier_members", "spokefs_tier_peer_bytes_total",
+                 "spokefs_tier_served_bytes_total", "spokefs_tier_peer_requests_total",
+                 "spokefs_tier_rerouted_blocks_total", "spokefs_tier_handoff_blocks_total",
+                 "spokefs_tier_peer_blocks_total"):
+        assert name in used, name
+    # every series a panel reads is scoped to the chosen cluster and namespace
+    for p in panels(doc):
+        for t in p.get("targets", ()):
+            for metric, labels in SELECTOR.findall(t["expr"]):
+                assert 'cluster=~"$cluster"' in labels and 'namespace=~"$namespace"' in labels, \
+                    (p["title"], metric)
+
+
+def test_every_metric_in_the_dashboard_and_the_rules_exists(
+        families: dict[str, Any], tmp_path: Path) -> None:
+    exported = exported_names(families)
     used = {m for q in queries(json.loads(DASHBOARD.read_text())) for m in METRIC.findall(q)}
     assert used, "the dashboard queries no spokefs metric"
     missing = sorted(used - exported)
     assert not missing, f"the dashboard asks for metrics no hub or spoke exports: {missing}"
+    rules = rule_queries(render_rules({"prometheusRule": {"enabled": True}}, tmp_path, True))
+    for alert, expr in rules.items():
+        found = set(METRIC.findall(expr))
+        assert found, alert
+        if "spokefs_hub_digest_mismatches_total" in found and \
+                "spokefs_hub_digest_mismatches" not in families:
+            pytest.skip("the bucket hub's metrics need the s3 extra and moto")
+        assert found <= exported, f"{alert} asks for metrics nothing exports: " \
+            f"{sorted(found - exported)}"
+
+
+def test_alert_rules_render_only_when_enabled_and_the_operator_is_there(
+        tmp_path: Path) -> None:
+    assert render_rules({}, tmp_path / "a", True) == []  # off by default
+    # on, but the cluster lacks monitoring.coreos.com/v1: nothing that needs it
+    assert render_rules({"prometheusRule": {"enabled": True}}, tmp_path / "b", False) == []
+    docs = render_rules({"prometheusRule": {"enabled": True, "labels": {"release": "kps"},
+                                            "hitRatioBelow": 0.3}}, tmp_path / "c", True)
+    assert [(d["apiVersion"], d["kind"]) for d in docs] == [
+        ("monitoring.coreos.com/v1", "PrometheusRule")]
+    assert docs[0]["metadata"]["labels"]["release"] == "kps"
+    rules = {r["alert"]: r for g in docs[0]["spec"]["groups"] for r in g["rules"]}
+    # what the alerts must cover: link down, hit ratio, cache not writable, integrity
+    for alert in ("SpokefsUpstreamLinkDown", "SpokefsHitRatioLow", "SpokefsCacheNotWritable",
+                  "SpokefsIntegrityFailures"):
+        assert alert in rules, alert
+    assert "< 0.3" in rules["SpokefsHitRatioLow"]["expr"]
+    for alert, r in rules.items():
+        expr = r["expr"]
+        assert r["labels"]["severity"] in ("warning", "critical"), alert
+        assert r["annotations"]["summary"] and r["annotations"]["description"], alert
+        for open_, close in ("()", "{}", "[]"):
+            assert expr.count(open_) == expr.count(close), (alert, expr)
+        for metric, labels in SELECTOR.findall(expr):  # this release's namespace only
+            assert 'namespace="ml"' in labels, (alert, metric)
+        assert "{{" not in expr, (alert, expr)  # no template left unrendered
 
 
 def test_metric_names_follow_the_conventions(families: dict[str, Any]) -> None:
