@@ -235,3 +235,33 @@ def test_blocks_of_stays_inside_the_file(offset: int, length: int) -> None:
         span = PLANNER_MANIFEST.blocks_of(i, offset, length)
         assert len(span) <= PLANNER_MANIFEST.nblocks(i)
         assert all(0 <= b < PLANNER_MANIFEST.nblocks(i) for b in (*span[:1], *span[-1:]))
+
+
+# -- error answers from a peer ------------------------------------------------------------------
+error_bodies = (json_values | st.fixed_dictionaries({"error": json_values}) | st.fixed_dictionaries(
+    {"error": st.fixed_dictionaries({}, optional={
+        "code": st.sampled_from(["not_found", "rate_limited", "range_not_satisfiable",
+                                 "upstream_unavailable", "integrity", "config", "nope"])
+        | json_values,
+        "message": json_values, "size": json_values, "retry_after": json_values,
+        "cause": st.sampled_from(["connection refused", "timed out", ""]) | json_values})}))
+
+
+@SETTINGS
+@given(st.integers(400, 599), error_bodies | st.binary(max_size=64), st.booleans())
+def test_any_error_answer_maps_to_one_exception(status: int, body: Any, final: bool) -> None:
+    """Whatever a peer sends with an error status, the mapping gives one exception of the
+    tree (never raises itself): Transient for a retryable 5xx unless final, else a
+    SpokeError whose status is the answer's (or 500 for one the tree has no class for)."""
+    from spokefs.errors import SpokeError, Transient
+    from spokefs.wire.errors import error_for_status
+
+    raw = json.dumps(body).encode() if not isinstance(body, bytes) else body
+    for sent in (raw, body if isinstance(body, dict) else None):
+        err = error_for_status(status, sent, "fallback", final=final)
+        if status >= 500 and status != 501 and not final:
+            assert isinstance(err, Transient)
+            continue
+        assert isinstance(err, SpokeError) and str(err)
+        assert err.status in (status, 500) or (status == 504 and err.status == 503)
+        json.dumps(err.to_json())  # what a server would send on: always encodable

@@ -8,7 +8,7 @@ import random
 from collections.abc import Awaitable, Callable, Iterator
 from typing import TypeVar
 
-from spokefs.errors import Transient
+from spokefs.errors import Failure, Transient, UpstreamUnavailable
 
 T = TypeVar("T")
 
@@ -33,10 +33,11 @@ async def retrying(attempt: Callable[[], Awaitable[T]], deadline: float,
     """``attempt()``, retried after each ``Transient`` with backoff for ``deadline`` seconds
     (the last pause ends at the deadline, for one last try); then ``give_up(cause)`` is
     raised. ``bound_attempts``: an attempt still running at the deadline is cut short too
-    (a hung upstream cannot outlast it). ``now`` and ``sleep``: a clock for tests."""
+    (a hung upstream cannot outlast it). ``now`` and ``sleep``: a clock for tests. An
+    ``UpstreamUnavailable`` given up with gets the last failure's ``Failure`` kind."""
     clock = now or asyncio.get_running_loop().time
     end = clock() + deadline
-    cause, last = "no attempt made", None
+    cause, last, kind = "no attempt made", None, Failure.NO_ANSWER
     for delay in backoff_delays(first, cap):
         try:
             if not bound_attempts:
@@ -47,16 +48,19 @@ async def retrying(attempt: Callable[[], Awaitable[T]], deadline: float,
             async with asyncio.timeout(left):
                 return await attempt()
         except Transient as exc:
-            cause, last = str(exc), exc
+            cause, last, kind = str(exc), exc, exc.kind
             if on_transient is not None:
                 on_transient(exc)
         except TimeoutError as exc:
             if not bound_attempts:
                 raise
-            cause, last = f"no answer within {deadline:g}s", exc
+            cause, last, kind = f"no answer within {deadline:g}s", exc, Failure.NO_ANSWER
             break
         left = end - clock()
         if left <= 0:
             break
         await sleep(min(delay, left))
-    raise give_up(cause) from last
+    err = give_up(cause)
+    if isinstance(err, UpstreamUnavailable) and err.cause == cause:
+        err.kind = kind  # typed where the failure was seen, not guessed from its text
+    raise err from last

@@ -1,8 +1,10 @@
 """A small synchronous client for the wire protocol (urllib3, pooled keep-alive connections).
 
-Used by ``spokefs.open``, the fsspec filesystem and the CLI. Errors are mapped here:
-connection failures become UpstreamUnavailable after ``deadline``; JSON errors become the
-matching SpokeError.
+Used by ``spokefs.open``, the fsspec filesystem and the CLI. Errors are mapped by
+``spokefs.wire.errors``: connection failures are retried, then become UpstreamUnavailable
+(of their ``Failure`` kind) after ``deadline``; an untrusted certificate is final at once;
+an error answer becomes the SpokeError the server sent (NotFound is a FileNotFoundError,
+Unauthorized and Forbidden PermissionErrors: ``spokefs.errors``).
 """
 
 from __future__ import annotations
@@ -15,12 +17,13 @@ from typing import Any
 
 import urllib3
 
-from spokefs.errors import UpstreamUnavailable, from_status
+from spokefs.errors import Transient, UpstreamUnavailable
 from spokefs.manifest import Manifest
 from spokefs.retry import backoff_delays
 from spokefs.wire.auth import FROM_ENV, bearer, client_token
+from spokefs.wire.errors import error_for_status, error_for_transport
 from spokefs.wire.headers import H_SNAPSHOT
-from spokefs.wire.tls import client_context, untrusted
+from spokefs.wire.tls import client_context
 
 _pools: dict[tuple[int, str], urllib3.PoolManager] = {}
 _pools_lock = threading.Lock()
@@ -62,24 +65,26 @@ class Client:
                                                 decode_content=decode,
                                                 preload_content=not stream)
             except urllib3.exceptions.HTTPError as exc:
-                if isinstance(exc.__cause__ or exc, urllib3.exceptions.SSLError) or isinstance(
-                        getattr(exc, "reason", None), urllib3.exceptions.SSLError):
-                    raise untrusted(self.base, exc.__cause__ or exc) from exc  # not retried
-                cause = str(exc.__cause__ or exc)
+                err = self._failed(exc)
                 remaining = end - time.monotonic()
                 if remaining <= 0:
                     raise UpstreamUnavailable(f"{self.base} unreachable for {self.deadline:g}s: "
-                                              f"{cause}", self.base, cause) from exc
+                                              f"{err}", self.base, str(err), err.kind) from exc
                 time.sleep(min(delay, remaining))  # one last try at the deadline
                 continue
             if resp.status >= 400:
-                try:
-                    doc = json.loads(resp.data)
-                except ValueError:
-                    doc = None
-                raise from_status(resp.status, doc, f"{method} {path}: HTTP {resp.status}")
+                # The server's own answer: it retried its upstream itself, so 5xx are final.
+                raise error_for_status(resp.status, resp.data,
+                                       f"{method} {path}: HTTP {resp.status}", final=True)
             return resp
         raise AssertionError("unreachable")
+
+    def _failed(self, exc: urllib3.exceptions.HTTPError) -> Transient:
+        """A failed exchange: worth retrying (returned), else final (raised)."""
+        err = error_for_transport(exc, self.base, str(exc.__cause__ or exc))
+        if not isinstance(err, Transient):
+            raise err from exc  # an untrusted certificate: asking again gets the same
+        return err
 
     def get_json(self, path: str) -> Any:
         return json.loads(self.request("GET", path).data)
@@ -122,10 +127,7 @@ class Client:
                     out += chunk
                 return bytes(out)
             except urllib3.exceptions.HTTPError as exc:
-                if isinstance(exc.__cause__ or exc, urllib3.exceptions.SSLError) or isinstance(
-                        getattr(exc, "reason", None), urllib3.exceptions.SSLError):
-                    raise untrusted(self.base, exc.__cause__ or exc) from exc  # not retried
-                cause = str(exc.__cause__ or exc)
+                err = self._failed(exc)
             finally:
                 resp.release_conn()
             if start + len(out) >= end:
@@ -134,6 +136,7 @@ class Client:
                 remaining = give_up - time.monotonic()
                 if remaining <= 0:
                     raise UpstreamUnavailable(f"{self.base} cut every answer short for "
-                                              f"{self.deadline:g}s: {cause}", self.base, cause)
+                                              f"{self.deadline:g}s: {err}", self.base, str(err),
+                                              err.kind)
                 time.sleep(min(delay, remaining))
         raise AssertionError("unreachable")

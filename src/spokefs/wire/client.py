@@ -2,9 +2,9 @@
 requests, and a replica worker's requests to its primary. Block data goes through
 ``spokefs.wire.http1.DataClient``, which receives bodies in place.
 
-Kept-alive connections in a pool. Errors are mapped at this boundary:
-``Transient`` (connection refused or reset, timeouts, 5xx) may be retried; a ``SpokeError``
-(404, 410, 416, 400) is the upstream's final answer.
+Kept-alive connections in a pool. Errors are mapped at this boundary, by
+``spokefs.wire.errors``: ``Transient`` (connection refused or reset, timeouts, 5xx) may be
+retried; a ``SpokeError`` (404, 410, 416, 400; an untrusted certificate) is final.
 
 Every body is read against a bound, checked on the declared length first and then as bytes
 arrive, so an upstream (or anything posing as one) cannot grow this process's memory without
@@ -24,13 +24,17 @@ import time
 
 import aiohttp
 
-from spokefs.errors import BadUpstream, Transient, from_status
+from spokefs.errors import BadUpstream, SpokeError
 from spokefs.manifest import MAX_MANIFEST_BLOB, MAX_MANIFEST_BYTES, Manifest
 from spokefs.wire.auth import FROM_ENV, bearer, client_token
-from spokefs.wire.tls import client_context, untrusted
+from spokefs.wire.errors import error_for_transport
+from spokefs.wire.errors import raise_for_status as raise_for_status
+from spokefs.wire.tls import client_context
 from spokefs.wire.unixpath import unix_address
 
 MAX_JSON_BYTES = 16 << 20
+# What a failed exchange raises below the protocol (SpokeErrors pass through untouched).
+_TRANSPORT = (TimeoutError, aiohttp.ClientError, OSError)
 _ERROR_BODY_BYTES = 1 << 20  # room for an error answer to a read of a few bytes
 
 
@@ -99,11 +103,10 @@ class UpstreamClient:
                 self.last_received = time.monotonic()
                 body = await self._body(resp, limit, f"GET {path}")
                 return resp.status, dict(resp.headers), body
-        except aiohttp.ClientConnectorCertificateError as exc:
-            raise untrusted(self.base_url, exc.certificate_error) from exc
-        except (TimeoutError, aiohttp.ClientError, OSError) as exc:
-            raise Transient(f"{type(exc).__name__}: {exc}" if str(exc) else
-                            type(exc).__name__) from exc
+        except SpokeError:
+            raise
+        except _TRANSPORT as exc:
+            raise error_for_transport(exc, self.base_url) from exc
 
     async def _body(self, resp: aiohttp.ClientResponse, limit: int, what: str) -> bytes:
         """The whole body, or BadUpstream as soon as it is known to pass ``limit`` (from its
@@ -124,13 +127,7 @@ class UpstreamClient:
 
     def _check(self, status: int, body: bytes, what: str) -> None:
         if status >= 400:
-            if self.answers_final:
-                try:
-                    doc = json.loads(body)
-                except ValueError:
-                    doc = None
-                raise from_status(status, doc, f"upstream answered {status} for {what}")
-            raise_for_status(status, body, what)
+            raise_for_status(status, body, what, final=self.answers_final)
 
     async def forward(self, method: str, path: str, headers: dict[str, str], body: bytes,
                       limit: int | None = None) -> tuple[int, dict[str, str], bytes]:
@@ -140,9 +137,10 @@ class UpstreamClient:
         try:
             data = await self._body(resp, self.max_json_bytes if limit is None else limit,
                                     f"{method} {path}")
-        except (TimeoutError, aiohttp.ClientError, OSError) as exc:
-            raise Transient(f"{type(exc).__name__}: {exc}" if str(exc) else
-                            type(exc).__name__) from exc
+        except SpokeError:
+            raise
+        except _TRANSPORT as exc:
+            raise error_for_transport(exc, self.base_url) from exc
         finally:
             resp.release()
         return resp.status, dict(resp.headers), data
@@ -154,11 +152,8 @@ class UpstreamClient:
         try:
             resp = await self.session.request(method, f"{self.base_url}{path}",
                                               headers=headers, data=body or None)
-        except aiohttp.ClientConnectorCertificateError as exc:
-            raise untrusted(self.base_url, exc.certificate_error) from exc
-        except (TimeoutError, aiohttp.ClientError, OSError) as exc:
-            raise Transient(f"{type(exc).__name__}: {exc}" if str(exc) else
-                            type(exc).__name__) from exc
+        except _TRANSPORT as exc:
+            raise error_for_transport(exc, self.base_url) from exc
         self.last_received = time.monotonic()
         return resp
 
@@ -175,10 +170,11 @@ class UpstreamClient:
                 self.last_received = time.monotonic()
                 body = await self._body(resp, self.max_json_bytes, f"POST {path}")
                 status = resp.status
-        except aiohttp.ClientConnectorCertificateError as exc:
-            raise untrusted(self.base_url, exc.certificate_error) from exc
-        except (TimeoutError, aiohttp.ClientError, OSError) as exc:
-            raise Transient(str(exc) or type(exc).__name__) from exc
+        except SpokeError:
+            raise
+        except _TRANSPORT as exc:
+            raise error_for_transport(exc, self.base_url,
+                                      str(exc) or type(exc).__name__) from exc
         self._check(status, body, path)
         return json.loads(body)
 
@@ -193,17 +189,6 @@ class UpstreamClient:
     async def manifest(self, dataset: str, snap: str) -> Manifest:
         blob = await self.manifest_blob(dataset, snap)
         return await asyncio.to_thread(Manifest.decode, blob, self.max_manifest_json)
-
-
-def raise_for_status(status: int, body: bytes, what: str) -> None:
-    """Map an upstream error answer: 5xx (but 501) may be retried, the rest are final."""
-    if status >= 500 and status != 501:
-        raise Transient(f"upstream answered {status} for {what}")
-    try:
-        doc = json.loads(body)
-    except ValueError:
-        doc = None
-    raise from_status(status, doc, f"upstream answered {status} for {what}")
 
 
 def _too_large(what: str, status: int, size: str, limit: int) -> BadUpstream:
