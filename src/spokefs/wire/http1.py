@@ -14,86 +14,45 @@ Two requests:
   frames``): many blocks in one response, each delivered to ``end`` as it completes, so a
   response cut in the middle still leaves every whole frame delivered.
 
-Errors are mapped at this boundary: a refused, reset or silent connection, a body cut short
-and 5xx are ``Transient`` (retry); 4xx become the ``SpokeError`` the upstream sent (final).
-Only plain ``http://`` is spoken here.
+The bytes of a connection are taken apart by ``wire.h1.ResponseParser`` (sans-I/O); the
+protocol here hands out the parser's buffers (the caller's own for a body) and turns its
+events into answers. Errors are mapped by ``spokefs.wire.errors``: a refused, reset or
+silent connection, an answer that breaks the parser's rules (or is for another range) and
+5xx are ``Transient`` (retry); 4xx become the ``SpokeError`` the upstream sent (final).
+Plain ``http://`` and ``https://``.
+
+A connection is only ever reused once its parser has seen a whole response and nothing more;
+bytes that come when no response is expected abort it, and once aborted (a request given up:
+cancelled, timed out, refused) the parser forgets where bodies go, so a late byte a transport
+still delivers can only land in its scratch buffer, never in a caller's.
 """
 
 from __future__ import annotations
 
 import asyncio
-import json
-import ssl
 import time
 from collections.abc import Callable
-from typing import Protocol
 from urllib.parse import urlsplit
 
-from spokefs.errors import Transient, from_status
+from spokefs.errors import Failure, Transient
 from spokefs.wire.auth import FROM_ENV, client_token
-from spokefs.wire.frames import FrameError, FrameHeader, FrameReader
-from spokefs.wire.ranges import ascii_digits
-from spokefs.wire.tls import client_context, untrusted
+from spokefs.wire.errors import error_for_transport, raise_for_status
+from spokefs.wire.frames import FrameHeader, FrameReader
+from spokefs.wire.h1 import (
+    DIRECT_MIN,
+    MAX_ERROR_BODY,
+    BodyBytes,
+    Head,
+    IntoBuffer,
+    ResponseError,
+    ResponseParser,
+    Sink,
+    SinkFor,
+    check_range_answer,
+)
+from spokefs.wire.tls import client_context
 
-_SCRATCH = 256 * 1024     # one recv of small pieces
-_DIRECT_MIN = 64 * 1024   # a payload piece at least this large is received in place
-_HEAD_MAX = 64 * 1024
-MAX_ERROR_BODY = 1 << 20  # bytes of a non-2xx answer's body (JSON errors are a few hundred)
-
-
-def raise_for_status(status: int, body: bytes, what: str) -> None:
-    """Map an upstream error answer: 5xx (but 501) may be retried, the rest are final."""
-    if status >= 500 and status != 501:
-        raise Transient(f"upstream answered {status} for {what}")
-    try:
-        doc = json.loads(body)
-    except ValueError:
-        doc = None
-    raise from_status(status, doc, f"upstream answered {status} for {what}")
-
-
-class Sink(Protocol):
-    """Where a response body goes."""
-
-    def direct(self) -> memoryview | None: ...   # a large destination to receive into
-    def advance(self, n: int) -> None: ...         # n bytes were received into direct()
-    def feed(self, data: memoryview) -> None: ...  # a piece received into scratch
-
-
-class _IntoBuffer:
-    """The body of a ranged GET, into the caller's buffer."""
-
-    def __init__(self, target: memoryview) -> None:
-        self.target = target
-        self.got = 0
-
-    def direct(self) -> memoryview | None:
-        return self.target[self.got:]
-
-    def advance(self, n: int) -> None:
-        self.got += n
-
-    def feed(self, data: memoryview) -> None:
-        self.target[self.got:self.got + len(data)] = data
-        self.got += len(data)
-
-
-class _Collect:
-    """A small body (an error, JSON) kept whole."""
-
-    def __init__(self, length: int) -> None:
-        self.data = bytearray(length)
-        self.got = 0
-
-    def direct(self) -> memoryview | None:
-        return memoryview(self.data)[self.got:]
-
-    def advance(self, n: int) -> None:
-        self.got += n
-
-    def feed(self, data: memoryview) -> None:
-        self.data[self.got:self.got + len(data)] = data
-        self.got += len(data)
+__all__ = ["MAX_ERROR_BODY", "DataClient", "Head", "Sink", "raise_for_status"]
 
 
 class _Frames:
@@ -103,7 +62,7 @@ class _Frames:
         self.reader = reader
 
     def direct(self) -> memoryview | None:
-        if self.reader.payload_left() >= _DIRECT_MIN:
+        if self.reader.payload_left() >= DIRECT_MIN:
             return self.reader.buffer()
         return None
 
@@ -114,28 +73,8 @@ class _Frames:
         self.reader.feed(data)
 
 
-def _range_start(head: Head) -> int | None:
-    """The first byte a 206 answer holds, from its ``Content-Range: bytes A-B/N``."""
-    unit, _, rest = head.headers.get("content-range", "").partition(" ")
-    first = rest.partition("-")[0]
-    return int(first) if unit == "bytes" and ascii_digits(first, 20) else None
-
-
-class Head:
-    __slots__ = ("body", "headers", "length", "status")
-
-    def __init__(self, status: int, headers: dict[str, str], length: int) -> None:
-        self.status = status
-        self.headers = headers  # names lower-cased
-        self.length = length
-        self.body = b""         # the whole body of a non-2xx answer
-
-
-SinkFor = Callable[[Head], Sink]
-
-
 class _Connection(asyncio.BufferedProtocol):
-    """One kept-alive connection, one request at a time."""
+    """One kept-alive connection, one request at a time; its bytes go through a parser."""
 
     def __init__(self, client: DataClient) -> None:
         self.client = client
@@ -143,14 +82,7 @@ class _Connection(asyncio.BufferedProtocol):
         self.closed = False
         self.keep_alive = True
         self.received_any = False
-        self._scratch = bytearray(_SCRATCH)
-        self._view = memoryview(self._scratch)
-        self._head_len = 0
-        self._head: Head | None = None
-        self._sink: Sink | None = None
-        self._sink_for: SinkFor | None = None
-        self._left = 0           # body bytes still to come
-        self._direct = False     # the last buffer handed out was the sink's own
+        self.parser = ResponseParser()
         self._waiter: asyncio.Future[Head] | None = None
         self._progress: Callable[[int], None] | None = None
         self.last_received = 0.0
@@ -162,147 +94,73 @@ class _Connection(asyncio.BufferedProtocol):
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.closed = True
-        self._fail(Transient(f"connection closed by upstream{f': {exc}' if exc else ''}"))
+        self.parser.close()
+        self._fail(Transient(f"connection closed by upstream{f': {exc}' if exc else ''}",
+                             Failure.CLOSED))
 
     def eof_received(self) -> bool:
         return False  # close the transport; connection_lost fails a pending request
 
     def get_buffer(self, sizehint: int) -> memoryview:
-        if self._sink is not None:
-            d = self._sink.direct()
-            if d is not None and len(d) > 0:
-                self._direct = True
-                return d[:self._left] if len(d) > self._left else d
-            self._direct = False
-            return self._view[:min(_SCRATCH, self._left)]
-        self._direct = False
-        return self._view[self._head_len:]
+        return self.parser.buffer()
 
     def buffer_updated(self, nbytes: int) -> None:
         self.received_any = True
         self.last_received = self.client.last_received = time.monotonic()
-        if self._sink is not None:
-            self._body_bytes(nbytes)
-            return
-        if self._waiter is None:  # bytes nobody asked for: the stream is out of step
-            self.abort()
-            return
-        start = max(0, self._head_len - 3)
-        self._head_len += nbytes
-        end = self._scratch.find(b"\r\n\r\n", start, self._head_len)
-        if end < 0:
-            if self._head_len >= _HEAD_MAX:
-                self._fail(Transient("upstream sent an oversized response head"))
-                self.abort()
+        if self.closed:  # a late delivery after abort: it landed in scratch; drop it
             return
         try:
-            self._start_body(bytes(self._scratch[:end]))
-            rest = self._head_len - end - 4
-            self._head_len = 0
-            if rest > self._left:  # more than the body: the stream is out of step
-                self.keep_alive = False
-                rest = self._left
-            if rest:
-                assert self._sink is not None
-                self._sink.feed(self._view[end + 4:end + 4 + rest])
-                self._after(rest)
-            elif self._left == 0:
-                self._done()
-        except (Transient, FrameError, ValueError) as exc:
-            self._fail(exc if isinstance(exc, Transient) else Transient(
-                f"upstream sent a bad body: {exc}"))
-            self.abort()
-
-    def _body_bytes(self, n: int) -> None:
-        assert self._sink is not None
-        try:
-            if self._direct:
-                self._sink.advance(n)
-            else:
-                self._sink.feed(self._view[:n])
-        except (FrameError, ValueError) as exc:
-            self._fail(Transient(f"upstream sent a bad body: {exc}"))
+            events = self.parser.received(nbytes)
+        except Transient as exc:  # what a request's own check refused
+            self._fail(exc)
             self.abort()
             return
-        self._after(n)
-
-    def _after(self, n: int) -> None:
-        self._left -= n
-        progress = self._progress
-        if progress is not None:
-            progress(n)
-        if self._left == 0:
-            self._done()
+        except ResponseError as exc:
+            self._fail(Transient(str(exc), Failure.BAD_ANSWER))
+            self.abort()
+            return
+        except ValueError as exc:  # the body's own format (FrameError)
+            self._fail(Transient(f"upstream sent a bad body: {exc}", Failure.BAD_ANSWER))
+            self.abort()
+            return
+        for ev in events:
+            if type(ev) is BodyBytes:
+                if self._progress is not None:
+                    self._progress(ev.n)
+                continue
+            self.keep_alive = ev.keep_alive
+            waiter, self._waiter = self._waiter, None
+            self._progress = None
+            if waiter is not None and not waiter.done():
+                waiter.set_result(ev.head)
 
     # -- request state ------------------------------------------------------------------------
-    def _start_body(self, raw: bytes) -> None:
-        lines = raw.decode("latin-1").split("\r\n")
-        parts = lines[0].split(" ", 2)
-        if len(parts) < 2 or not parts[0].startswith("HTTP/1.") or not ascii_digits(parts[1], 3):
-            raise Transient(f"upstream sent a bad status line {lines[0][:80]!r}")
-        headers: dict[str, str] = {}
-        for line in lines[1:]:
-            name, _, value = line.partition(":")
-            headers[name.strip().lower()] = value.strip()
-        if headers.get("connection", "").lower() == "close":
-            self.keep_alive = False
-        if headers.get("transfer-encoding", "identity").lower() != "identity":
-            raise Transient("upstream sent a chunked body where a length was expected")
-        length = headers.get("content-length")
-        if length is None or not ascii_digits(length, 19):
-            raise Transient("upstream response has no Content-Length")
-        head = Head(int(parts[1]), headers, int(length))
-        assert self._sink_for is not None
-        self._head = head
-        if not 200 <= head.status < 300 and head.length > MAX_ERROR_BODY:
-            # The sender names the length: an error answer is never buffered at any size.
-            raise Transient(f"upstream answered {head.status} with a body of {head.length} "
-                            f"bytes, more than the {MAX_ERROR_BODY} an error answer may hold")
-        self._sink = (self._sink_for(head) if 200 <= head.status < 300
-                      else _Collect(head.length))
-        self._left = head.length
-
-    def _done(self) -> None:
-        waiter, self._waiter = self._waiter, None
-        head = self._head
-        if head is not None and isinstance(self._sink, _Collect):
-            head.body = bytes(self._sink.data)
-        self._reset()
-        if waiter is not None and not waiter.done():
-            waiter.set_result(head)  # type: ignore[arg-type]
-
-    def _reset(self) -> None:
-        self._sink = self._sink_for = None
-        self._progress = None
-        self._head = None
-        self._left = 0
-        self._head_len = 0
-
     def _fail(self, exc: BaseException) -> None:
         waiter, self._waiter = self._waiter, None
-        self._reset()
+        self._progress = None
         if waiter is not None and not waiter.done():
             waiter.set_exception(exc)
 
     def begin(self, request: bytes, sink_for: SinkFor,
               progress: Callable[[int], None] | None) -> asyncio.Future[Head]:
-        assert self.transport is not None and self._waiter is None
+        assert self.transport is not None and self._waiter is None and self.parser.idle
         self._waiter = asyncio.get_running_loop().create_future()
-        self._sink_for = sink_for
+        self.parser.expect(sink_for)
         self._progress = progress
-        self._head_len = 0
         self.received_any = False
         self.transport.write(request)
         return self._waiter
 
     def abort(self) -> None:
-        # abort, not close: stop reading at once, so no late byte lands in a buffer whose
-        # owner has moved on. A request still waiting here was given up by its caller.
+        # abort, not close: stop reading at once, and forget where bodies go, so no late
+        # byte lands in a buffer whose owner has moved on. A request still waiting here was
+        # given up by its caller.
         self.closed = True
+        self.parser.close()
         waiter, self._waiter = self._waiter, None
+        self._progress = None
         if waiter is not None and not waiter.done():
             waiter.cancel()
-        self._reset()
         if self.transport is not None:
             self.transport.abort()
 
@@ -347,26 +205,24 @@ class DataClient:
     # -- requests ------------------------------------------------------------------------------
     async def read_into(self, path: str, start: int, buf: memoryview,
                         headers: dict[str, str] | None = None,
-                        progress: Callable[[int], None] | None = None) -> tuple[int, Head]:
+                        progress: Callable[[int], None] | None = None,
+                        etag: str | None = None) -> tuple[int, Head]:
         """GET ``path`` bytes [start, start+len(buf)) into ``buf``; (count received, head).
-        The count is less than len(buf) only at the end of the object."""
+        The count is less than len(buf) only at the end of the object. ``etag``: the
+        version the answer must name (``ETag: "<version>"``, docs/protocol.md); an answer
+        naming another is refused before a byte of it reaches ``buf``."""
         extra = "".join(f"{k}: {v}\r\n" for k, v in (headers or {}).items())
         request = (f"GET {self.prefix}{path} HTTP/1.1\r\nHost: {self._host_header}\r\n"
                    f"Range: bytes={start}-{start + len(buf) - 1}\r\n{extra}{self._auth}"
                    "Accept-Encoding: identity\r\n\r\n").encode()
-        sinks: list[_IntoBuffer] = []
+        sinks: list[IntoBuffer] = []
 
         def sink_for(head: Head) -> Sink:
-            if head.status == 200 and start != 0:
-                raise Transient("upstream ignored the Range header")
-            if head.status == 206 and _range_start(head) != start:
-                # Bytes of another range are other bytes: never taken as these.
-                raise Transient(f"upstream answered {head.headers.get('content-range')!r} "
-                                f"for a read at {start}")
-            if head.length > len(buf):
-                raise Transient(f"upstream sent {head.length} bytes for a {len(buf)}-byte "
-                                "range")
-            sinks.append(_IntoBuffer(buf))
+            check_range_answer(head, start, len(buf))
+            if etag is not None and head.headers.get("etag") != f'"{etag}"':
+                raise ResponseError(f"upstream answered ETag {head.headers.get('etag')!r} "
+                                    f"for version {etag}")
+            sinks.append(IntoBuffer(buf))
             return sinks[-1]
 
         what = f"{path} [{start},{start + len(buf)})"
@@ -398,7 +254,7 @@ class DataClient:
         if not 200 <= head.status < 300:
             raise_for_status(head.status, head.body, path)
         if not readers[0].between_frames:
-            raise Transient("upstream's batch body ended inside a frame")
+            raise Transient("upstream's batch body ended inside a frame", Failure.CLOSED)
         return readers[0].frames
 
     # -- the pool ------------------------------------------------------------------------------
@@ -425,7 +281,7 @@ class DataClient:
                 except BaseException:  # cancelled: the connection is mid-response
                     self._discard(conn)
                     raise
-                if conn.keep_alive and not conn.closed:
+                if conn.keep_alive and not conn.closed and conn.parser.idle:
                     self._idle.append(conn)
                 else:
                     self._discard(conn)
@@ -441,7 +297,8 @@ class DataClient:
             left = heard + self.idle_timeout - time.monotonic()
             if left <= 0:
                 conn.abort()
-                raise Transient(f"no byte from upstream for {self.idle_timeout:g}s ({what})")
+                raise Transient(f"no byte from upstream for {self.idle_timeout:g}s ({what})",
+                                Failure.NO_ANSWER)
             done, _ = await asyncio.wait({fut}, timeout=left)
             if done:
                 return fut.result()
@@ -453,12 +310,12 @@ class DataClient:
                 _, conn = await loop.create_connection(
                     lambda: _Connection(self), self.host, self.port, ssl=self._tls,
                     server_hostname=self.host if self._tls is not None else None)
-        except ssl.SSLCertVerificationError as exc:
-            raise untrusted(f"{self.host}:{self.port}", exc) from exc
-        except (OSError, TimeoutError) as exc:
+        except (OSError, TimeoutError) as exc:  # ssl.SSLError is an OSError
             reason = (exc.strerror if isinstance(exc, OSError) and exc.strerror else
                       str(exc) or type(exc).__name__)
-            raise Transient(f"cannot connect to {self.host}:{self.port}: {reason}") from exc
+            raise error_for_transport(exc, f"{self.host}:{self.port}",
+                                      f"cannot connect to {self.host}:{self.port}: {reason}"
+                                      ) from exc
         self._all.add(conn)
         return conn
 
