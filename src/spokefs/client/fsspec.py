@@ -3,6 +3,15 @@
 Registered as an fsspec entry point (see pyproject), so ``fsspec.open("spokefs://...")`` and
 ``fsspec.filesystem("spokefs")`` work. Listing and ``info`` come from the snapshot's manifest
 (one request per snapshot, then local), bytes from ranged reads of the pinned versions.
+
+``spokefs://`` speaks plain http unless the filesystem is made with ``use_https=True`` (the
+name webhdfs gives the same option): ``fsspec.open("spokefs://spoke:8471/ds/x",
+use_https=True)``, ``fsspec.filesystem("spokefs", use_https=True)``; the certificate is checked
+against the system's authorities or ``SPOKEFS_CA_BUNDLE`` (``spokefs.wire.tls``).
+
+Errors are the builtin ones: a missing file or dataset is a ``FileNotFoundError``, a token
+refused a ``PermissionError``, a spoke out of reach past ``deadline`` a ``ConnectionError``
+(``spokefs.errors``).
 """
 
 from __future__ import annotations
@@ -20,14 +29,17 @@ class SpokeFileSystem(AbstractFileSystem):
     protocol = "spokefs"
     root_marker = ""
 
-    def __init__(self, deadline: float = 30.0, **kwargs: Any) -> None:
+    def __init__(self, deadline: float = 30.0, use_https: bool = False,
+                 **kwargs: Any) -> None:
         super().__init__(**kwargs)
         self.deadline = deadline
+        self.use_https = use_https
         self._manifests: dict[tuple[str, str, str], Manifest] = {}
 
     # paths are "host:port/dataset[@snap]/path" once the protocol is stripped
     def _split(self, path: str) -> tuple[Client, DatasetURL, Manifest]:
-        u = parse_url(self._strip_protocol(path))
+        u = parse_url(self._strip_protocol(path),
+                      default_scheme="https" if self.use_https else "http")
         client = Client(u.base, deadline=self.deadline)
         key = (u.base, u.dataset, u.snapshot)
         m = self._manifests.get(key)
