@@ -206,6 +206,29 @@ def test_many_pins_keep_victim_cheap(policy: EvictionPolicy) -> None:
         assert policy.victim() == k(19_999)
 
 
+@pytest.mark.parametrize("name", sorted(POLICIES))
+def test_every_policy_takes_the_store_capacity_the_same_way(name: str) -> None:
+    """The spoke builds any policy as ``make_policy(name, capacity=...)``, never asking the
+    class what it takes; a bad capacity is a clear error whichever policy is named."""
+    p = make_policy(name, capacity=64 * MiB)
+    assert isinstance(p, POLICIES[name]) and p.name == name
+    assert POLICIES[name](capacity=64 * MiB).name == name  # type: ignore[call-arg]
+    assert make_policy(name).victim() is None  # capacity unknown: still a policy
+    with pytest.raises(ConfigError, match="capacity"):
+        make_policy(name, capacity=-1)
+
+
+def test_a_plain_policy_keeps_no_copies(policy: EvictionPolicy) -> None:
+    """What the store asks of every policy about a tier member's copies, answered by a
+    policy that keeps none: no copy to evict, a copy inserted is an ordinary block."""
+    assert not policy.keeps_copies and policy.copy_bytes == 0
+    fill(policy, 2)
+    policy.insert_copy(k(5), MiB)
+    assert k(5) in policy and policy.copy_bytes == 0 and policy.copy_victim() is None
+    assert policy.reclassify(policy.resident_keys(), lambda key: True) == 0
+    assert sorted(drain(policy)) == [k(0), k(1), k(5)]
+
+
 # -- lru ------------------------------------------------------------------------------------
 
 
@@ -387,6 +410,19 @@ def test_belady_two_streams_share_one_clock() -> None:
 
 
 # -- a tier member's copies ---------------------------------------------------------------
+
+
+@pytest.mark.parametrize("name", sorted(POLICIES))
+def test_copies_through_the_common_methods(name: str) -> None:
+    """The store's calls (``insert_copy``, ``copy_victim``) on ``make_policy(copies=True)``."""
+    p = make_policy(name, capacity=8 * MiB, copies=True)
+    assert isinstance(p, CopiesFirst) and p.keeps_copies and p.name == name
+    fill(p, 2)
+    p.insert_copy(k(10), MiB)
+    p.insert_copy(k(1), MiB)  # owned already: stays owned
+    assert p.copy_bytes == MiB and p.copy_victim() == k(10) and p.victim() == k(10)
+    p.remove(k(10))
+    assert p.copy_victim() is None and p.victim() in {k(0), k(1)}
 
 
 @pytest.mark.parametrize("name", sorted(POLICIES))

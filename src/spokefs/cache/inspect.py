@@ -8,12 +8,12 @@ seen.
 from __future__ import annotations
 
 import os
-import sqlite3
 from dataclasses import dataclass
 from pathlib import Path
 
 import xxhash
 
+from spokefs.cache.index import committed_blocks
 from spokefs.cache.segments import SegmentFiles
 
 
@@ -32,15 +32,10 @@ class OnDisk:
 
 
 def blocks_on_disk(cache_dir: Path) -> list[OnDisk]:
-    db = sqlite3.connect(f"file:{cache_dir / 'index.sqlite'}?mode=ro", uri=True, timeout=30)
-    try:
-        rows = db.execute("SELECT version, idx, seg, off, size, digest FROM blocks "
-                          "ORDER BY seg, off").fetchall()
-    finally:
-        db.close()
+    """Every committed block, by segment and offset."""
     seg_dir = cache_dir / "segments"
-    return [OnDisk(v, i, seg_dir / SegmentFiles.name(seg), off, size, digest)
-            for v, i, seg, off, size, digest in rows]
+    return [OnDisk(r.version, r.idx, seg_dir / SegmentFiles.name(r.seg), r.off, r.size,
+                   r.digest) for r in committed_blocks(cache_dir)]
 
 
 def store_check(cache_dir: Path) -> dict[str, int]:

@@ -18,6 +18,11 @@ apart.
 
 Each segment is created at its full size as a sparse file (``ftruncate``); only written
 blocks use disk.
+
+Writes are gathered (``WriteGatherer``): the store's worker takes every block write queued so
+far in one job, writes adjacent regions with one ``pwritev``, and reports them all back in
+one call. A Python thread that wakes once per block pays a GIL handover per block while the
+loop is busy (up to the 5 ms switch interval each); per batch it does not.
 """
 
 from __future__ import annotations
@@ -27,12 +32,18 @@ import ctypes.util
 import errno
 import logging
 import os
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Generic, TypeVar
 
 log = logging.getLogger(__name__)
 
 ALIGN = 4096
 SEGMENT_BYTES = 256 << 20  # address space of one segment; most blocks are far smaller
+_ZEROS = memoryview(bytes(ALIGN))
+_MAX_IOV = 1000  # pieces per pwritev (the kernel takes up to IOV_MAX, 1024)
 
 _FALLOC_FL_KEEP_SIZE = 0x01
 _FALLOC_FL_PUNCH_HOLE = 0x02
@@ -245,3 +256,85 @@ class SegmentFiles:
             seg.close()
         self.segments.clear()
         self.current = None
+
+
+@dataclass(slots=True, eq=False)
+class BlockWrite:
+    """One block's bytes bound for its region of a segment (``SegmentFiles.allocate``)."""
+
+    seg: Segment
+    offset: int
+    size: int
+    data: memoryview            # must not change until the write is reported back
+    # The same bytes in a page-aligned buffer, followed by whatever fills it up to the
+    # region's 4 KiB boundary; given, the block is written with direct I/O (no copy into the
+    # page cache, which measured 1.1-2.6 CPU-s per GiB on the VM these numbers come from,
+    # against 0.04-0.3 direct).
+    padded: memoryview | None
+    error: OSError | None = None  # set when the write failed (its region is freed)
+
+
+W = TypeVar("W", bound=BlockWrite)
+
+
+class WriteGatherer(Generic[W]):
+    """Block writes queued from the owner's loop and written by one worker thread, in
+    batches: ``add`` from the loop (True: submit a ``write_queued`` job, none is pending),
+    ``write_queued`` in the worker."""
+
+    def __init__(self, files: SegmentFiles) -> None:
+        self.files = files
+        self._queued: list[W] = []
+        self._lock = threading.Lock()
+        self._pending = False  # a write_queued job was asked for and has not taken them yet
+
+    def add(self, write: W) -> bool:
+        """Queue ``write``; True when the caller must have the worker run ``write_queued``."""
+        if write.padded is not None and len(write.padded) != aligned(write.size):
+            write.padded = None  # not the region's length: written through the page cache
+        with self._lock:
+            self._queued.append(write)
+            if self._pending:
+                return False
+            self._pending = True
+            return True
+
+    def write_queued(self, wrote: Callable[[int], None]) -> list[W]:
+        """(worker) Write every queued block, adjacent regions of a segment together (one
+        ``pwritev`` each); ``wrote(fd)`` hears each file written (to flush it before the
+        index commits). Returns them in region order, ``error`` set on each whose write
+        failed (its region freed)."""
+        with self._lock:
+            batch, self._queued = self._queued, []
+            self._pending = False
+        batch.sort(key=lambda w: (w.seg.id, w.offset))
+        i = 0
+        while i < len(batch):
+            seg, start = batch[i].seg, batch[i].offset
+            direct = seg.dfd is not None and batch[i].padded is not None
+            j, end = i, start
+            iov: list[memoryview] = []
+            # A direct group takes only blocks given page-aligned (batch[i] always fits: j
+            # moves on).
+            while (j < len(batch) and batch[j].seg is seg and batch[j].offset == end
+                   and (not direct or batch[j].padded is not None) and len(iov) < _MAX_IOV):
+                w = batch[j]
+                if direct:
+                    assert w.padded is not None
+                    iov.append(w.padded)
+                else:
+                    iov.append(w.data)
+                    pad = aligned(w.size) - w.size
+                    if pad and j + 1 < len(batch):
+                        iov.append(_ZEROS[:pad])  # the gap to the next block's boundary
+                end += aligned(w.size)
+                j += 1
+            try:
+                self.files.write_many(seg, start, iov, direct)
+                wrote(seg.fd)
+            except OSError as exc:
+                for w in batch[i:j]:
+                    w.error = exc
+                self.files.punch(seg, start, end - start)
+            i = j
+        return batch

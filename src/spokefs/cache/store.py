@@ -5,6 +5,7 @@ Layout of ``cache_dir``::
     lock                         flock'd by the one process that owns the folder; holds its pid
     instance                     the folder's random id (spokefs.cache.shared)
     index.sqlite                 what is resident (WAL mode), object sizes, small facts
+                                 (spokefs.cache.index)
     segments/<id>.seg            blocks appended at 4 KiB boundaries (spokefs.cache.segments)
     manifests/<dataset>/<snapshot>.json.gz   (spokefs.cache.durable)
 
@@ -17,10 +18,12 @@ the lock and are never blocked by it. File names are built from integers (segmen
 fixed names only; the one path built from names that can come from upstream, a manifest's, is
 checked right before it is built (``manifest_path``).
 
-Who does what. The event loop owns the index (a dict of ``Loc``) and the eviction policy and
-never waits on the disk or on SQL; one worker thread (``spokefs.cache.worker``) writes blocks
-into their regions, frees evicted regions (hole punching) and commits index rows in batches.
-A block costs no file, no rename, no fsync and no commit of its own.
+Who does what. The event loop owns the index in memory (a dict of ``Loc``) and the eviction
+policy and never waits on the disk or on SQL; it queues the index file's rows
+(``spokefs.cache.index``, which owns that file), and one worker thread
+(``spokefs.cache.worker``) writes blocks into their regions (gathered:
+``spokefs.cache.segments``), frees evicted regions (hole punching) and commits the queued rows
+in batches. A block costs no file, no rename, no fsync and no commit of its own.
 
 Why this is crash-safe without an fsync per block: every byte served is checked against a
 digest first. Each block keeps the upstream's xxh3-128 digest and an xxh3-64 digest of each
@@ -48,27 +51,26 @@ import os
 import secrets
 import shutil
 import sqlite3
-import threading
 import time
 from collections.abc import Callable, Container, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from spokefs.cache import index as block_index
 from spokefs.cache.durable import manifest_file
-from spokefs.cache.segments import Segment, SegmentFiles, aligned, check_hole_punching
-from spokefs.cache.storm import StormWatch
-from spokefs.cache.worker import (
-    DELETE_BLOCK,
-    DELETE_KV,
-    INSERT_BLOCK,
-    SET_KV,
-    SET_OBJECT,
-    TOUCH_BLOCK,
-    StoreWorker,
-    connect,
+from spokefs.cache.index import BlockIndex, BlockRow, Loaded
+from spokefs.cache.segments import (
+    BlockWrite,
+    Segment,
+    SegmentFiles,
+    WriteGatherer,
+    aligned,
+    check_hole_punching,
 )
+from spokefs.cache.storm import StormWatch
+from spokefs.cache.worker import StoreWorker
 from spokefs.errors import CacheLocked, ConfigError
-from spokefs.policy import BlockKey, CopiesFirst, EvictionPolicy
+from spokefs.policy import BlockKey, EvictionPolicy
 
 try:  # the native core: required (docs/architecture.md, "The native core")
     from spokefs import _native
@@ -79,43 +81,10 @@ except ImportError as exc:
 log = logging.getLogger(__name__)
 
 CHUNK = 256 * 1024
-_ZEROS = memoryview(bytes(4096))
-FORMAT = "2"  # 1: a file per block under blocks/
-
 
 INSTANCE_FILE = "instance"
 KEY_FILE = "internal.key"  # the internal routes' credential for same-host readers (0600)
 LOCK_FILE = "lock"
-# SQLite's primary result codes that mean the index file itself is damaged or is not an index.
-_CORRUPT_CODES = (sqlite3.SQLITE_CORRUPT, sqlite3.SQLITE_NOTADB)
-_NO_SPACE_CODES = (sqlite3.SQLITE_FULL, sqlite3.SQLITE_IOERR)
-_FULL_BELOW = 1 << 20  # free bytes under which a volume counts as full
-
-
-def _why_drop(exc: sqlite3.Error, root: Path) -> str | None:
-    """Why an index that failed to open must be dropped, or None to leave it alone. Only two
-    reasons: it is damaged, or the volume is too full for SQLite to open it at all (WAL needs
-    a -shm file), where dropping it frees the space to start rather than not start (the
-    documented behaviour, ``disk_full`` in the chaos suite). Busy or locked (another
-    connection, past the busy timeout), an I/O error with space left, or a permission error
-    say nothing about the index and never cost the cache."""
-    code = getattr(exc, "sqlite_errorcode", None)
-    if code is None:
-        text = str(exc)
-        return "damaged" if "malformed" in text or "not a database" in text else None
-    primary = code & 0xFF  # extended codes carry the primary one in the low byte
-    if primary in _CORRUPT_CODES:
-        return "damaged"
-    if primary in _NO_SPACE_CODES:
-        try:
-            st = os.statvfs(root)
-        except OSError:
-            return None
-        if st.f_bavail * st.f_frsize < _FULL_BELOW:
-            return "on a volume too full to open it"
-    return None
-
-
 def lock_folder(root: Path) -> int | None:
     """Take the cache folder's lock for this process (the descriptor holds it; closing it lets
     go). CacheLocked, naming the folder and the holder's pid, if another process has it. None
@@ -258,13 +227,16 @@ class Reservation:
     seg: Segment
     offset: int
     chunks: bytes = b""
-    error: OSError | None = None
     copy: bool = False  # a tier member's copy of a block another member owns
 
 
-# (reservation, bytes, digest, done callback, the bytes page-aligned and padded or None)
-_Write = tuple[Reservation, memoryview, bytes, Callable[[bool], None] | None,
-               memoryview | None]
+@dataclass(slots=True, eq=False, kw_only=True)
+class _Write(BlockWrite):
+    """A block write with what indexing it needs once written."""
+
+    res: Reservation
+    digest: bytes
+    done: Callable[[bool], None] | None
 
 
 class StoreEvents:
@@ -303,6 +275,7 @@ class BlockStore:
         # Whether a block of (dataset, size) may be kept (per-dataset policies; None: all).
         self.admit: Callable[[str, int], bool] | None = None
         self._segs = SegmentFiles(root / "segments", direct=direct_io)
+        self._index: BlockIndex | None = None
         self._worker: StoreWorker | None = None
         self._loop_call: Callable[[Callable[[], None]], None] | None = None
         self._touched: dict[BlockKey, float] = {}
@@ -314,9 +287,7 @@ class BlockStore:
         self._held: dict[BlockKey, list] = {}  # key -> [holders, Loc, removed meanwhile]
         self.instance = ""  # the folder's id (spokefs.cache.shared), set by open()
         self.key: bytes | None = None  # the folder's internal key (internal_key), by open()
-        self._writes: list[_Write] = []
-        self._writes_lock = threading.Lock()
-        self._write_queued = False
+        self._gather: WriteGatherer[_Write] = WriteGatherer(self._segs)
 
     # -- lifecycle ---------------------------------------------------------------------------
     def open(self, call_in_loop: Callable[[Callable[[], None]], None] | None = None
@@ -335,8 +306,9 @@ class BlockStore:
         try:
             return self._open_locked()
         except BaseException:
-            if self._worker is not None:  # failed after the index opened: not started yet
-                self._worker.db.close()
+            if self._index is not None:  # failed after the index opened: not started yet
+                self._index.close()
+                self._index = None
                 self._worker = None
             self._segs.close()
             self._unlock()
@@ -346,45 +318,46 @@ class BlockStore:
         for sub in ("segments", "manifests"):
             (self.root / sub).mkdir(parents=True, exist_ok=True)
         check_hole_punching(self.root / "segments")
-        index = self.root / "index.sqlite"
         try:
-            db = self._open_db()
+            index = BlockIndex.open(self.root, self.busy_timeout)
             try:
-                rows = db.execute("SELECT version, idx, seg, off, size, digest, chunks, "
-                                  "dataset, COALESCE(stored, last_access, 0) FROM blocks "
-                                  "ORDER BY last_access").fetchall()
-                self._sizes = {str(v): int(s) for v, s in db.execute(
-                    "SELECT version, size FROM objects")}
-                self._kv = {str(k): str(v) for k, v in db.execute("SELECT key, value FROM kv")}
+                loaded = index.load()
             except BaseException:
-                db.close()
+                index.close()
                 raise
         except sqlite3.Error as exc:
-            why = _why_drop(exc, self.root)
+            path = self.root / block_index.FILE
+            why = block_index.why_unusable(exc, self.root)
             if why is None:
                 # Busy ("database is locked": another process has the index open and writes
                 # to it, past busy_timeout), unreadable, an I/O error: the blocks may be
                 # perfectly good. Fail to start, loudly, and leave every byte as it is.
                 raise ConfigError(
-                    f"cache: cannot open the index {index}: {exc}. The cache was left as it "
+                    f"cache: cannot open the index {path}: {exc}. The cache was left as it "
                     "is; if another process uses this folder, stop it, then start again"
                     ) from exc
             # Damaged, or no room to open it: without the index no block can be trusted, so
             # start empty rather than fail to start (a crash loop needs an operator).
             # Removing the segments also frees their space.
             log.error("cache: index %s is unusable: %s (%s); starting with an empty cache",
-                      index, why, exc)
-            for name in ("index.sqlite", "index.sqlite-wal", "index.sqlite-shm"):
-                (self.root / name).unlink(missing_ok=True)
+                      path, why, exc)
+            block_index.remove(self.root)
             shutil.rmtree(self.root / "segments", ignore_errors=True)
             (self.root / "segments").mkdir()
-            db = self._open_db()
-            rows = []
+            index = BlockIndex.open(self.root, self.busy_timeout)
+            loaded = Loaded()
+        self._index = index  # closed by open() if anything below fails
+        if index.old_format_dropped:
+            log.warning("cache: %s holds blocks in an older format; they are dropped and will "
+                        "be fetched again", self.root)
+            for old in ("blocks", "tmp"):  # format 1: a file per block
+                shutil.rmtree(self.root / old, ignore_errors=True)
+        self._sizes, self._kv = loaded.object_sizes, loaded.kv
         self.instance = instance_id(self.root)
         self.key = internal_key(self.root)
         _make_private(self.root)
-        self._worker = StoreWorker(db, self.fsync, self._index_failed)
-        self._recover(rows)
+        self._worker = StoreWorker(index, self.fsync, self._index_failed)
+        self._recover(loaded.blocks)
         self._worker.start()
         return self
 
@@ -398,62 +371,41 @@ class BlockStore:
         dataset name and the id a snapshot id (either may have come from upstream)."""
         return manifest_file(self.root, dataset, snapshot_id)
 
-    def _open_db(self) -> sqlite3.Connection:
-        db = connect(self.root / "index.sqlite", self.busy_timeout)
-        try:
-            fmt = db.execute("SELECT value FROM kv WHERE key='store_format'").fetchone()
-            if fmt is None or fmt[0] != FORMAT:
-                cols = {r[1] for r in db.execute("PRAGMA table_info(blocks)")}
-                if "seg" not in cols or fmt is not None:
-                    log.warning("cache: %s holds blocks in an older format; they are dropped "
-                                "and will be fetched again", self.root)
-                    db.execute("DROP TABLE IF EXISTS blocks")
-                    db.executescript("CREATE TABLE IF NOT EXISTS blocks (version TEXT, "
-                                     "idx INTEGER, seg INTEGER, off INTEGER, size INTEGER, "
-                                     "digest BLOB, chunks BLOB, dataset TEXT, "
-                                     "last_access REAL, stored REAL, "
-                                     "PRIMARY KEY (version, idx))")
-                    for old in ("blocks", "tmp"):
-                        shutil.rmtree(self.root / old, ignore_errors=True)
-                db.execute("INSERT OR REPLACE INTO kv VALUES ('store_format', ?)", (FORMAT,))
-            if "stored" not in {r[1] for r in db.execute("PRAGMA table_info(blocks)")}:
-                # Rows from before write times were kept: their last use stands in (it can
-                # only be later, so a time-to-live never runs shorter than set).
-                db.execute("ALTER TABLE blocks ADD COLUMN stored REAL")
-        except sqlite3.Error:
-            db.close()
-            raise
-        return db
-
-    def _recover(self, rows: list[tuple]) -> None:
+    def _recover(self, rows: list[BlockRow]) -> None:
         files = self._segs.existing()
         live: dict[int, list[tuple[int, int]]] = {}
         dropped = []
-        for version, idx, seg_id, off, size, digest, chunks, dataset, stored in rows:
-            path = files.get(seg_id)
-            seg = self._segs.segments.get(seg_id)
-            if seg is None and path is not None:
+        # Millions of rows at a large cache's start: the loop keeps to locals.
+        records, by_dataset, insert = self._records, self.dataset_bytes, self.policy.insert
+        segments, chunk_size = self._segs.segments, self.chunk_size
+        used = data_bytes = 0
+        for row in rows:
+            seg_id, off, size, chunks = row.seg, row.off, row.size, row.chunks
+            seg = segments.get(seg_id)
+            if seg is None and (path := files.get(seg_id)) is not None:
                 try:
                     seg = self._segs.open_existing(seg_id, path)
                 except OSError as exc:
                     log.warning("cache: cannot open segment %s: %s", path, exc)
                     files.pop(seg_id, None)
-            expect = len(chunks) == 8 * -(-size // self.chunk_size) if size else chunks == b""
+            expect = len(chunks) == 8 * -(-size // chunk_size) if size else chunks == b""
+            key = (row.version, row.idx)
             if seg is None or off % 4096 or off + size > seg.size or not expect:
-                dropped.append((version, idx))
+                dropped.append(key)
                 continue
-            key = (version, idx)
-            self._records[key] = Loc(seg, off, size, digest, chunks, dataset, float(stored))
-            self.dataset_bytes[dataset] = self.dataset_bytes.get(dataset, 0) + size
+            dataset, room = row.dataset, aligned(size)
+            records[key] = Loc(seg, off, size, row.digest, chunks, dataset, float(row.stored))
+            by_dataset[dataset] = by_dataset.get(dataset, 0) + size
             seg.live += 1
-            seg.live_bytes += aligned(size)
-            self.used += aligned(size)
-            self.data_bytes += size
-            self.policy.insert(key, size)
-            live.setdefault(seg_id, []).append((off, aligned(size)))
-        assert self._worker is not None
+            seg.live_bytes += room
+            used += room
+            data_bytes += size
+            insert(key, size)
+            live.setdefault(seg_id, []).append((off, room))
+        self.used += used
+        self.data_bytes += data_bytes
         for key in dropped:
-            self._worker.row(DELETE_BLOCK, key)
+            self.index.delete(key)
         orphans = 0
         for seg_id, path in files.items():
             seg = self._segs.segments.get(seg_id)
@@ -483,8 +435,10 @@ class BlockStore:
                 self._segs.forget(cur)  # nothing in it: leave no empty file behind
                 self._worker.submit(lambda: self._segs.remove(cur))
             self._worker.close()
-            self._worker.db.close()
             self._worker = None
+        if self._index is not None:
+            self._index.close()
+            self._index = None
         self._segs.close()
         self._unlock()  # last: the folder is consistent on disk before another may take it
 
@@ -493,6 +447,13 @@ class BlockStore:
         if self._worker is None:
             raise RuntimeError("BlockStore.open() was not called")
         return self._worker
+
+    @property
+    def index(self) -> BlockIndex:
+        """The index file's writer (rows queued here are committed by the worker)."""
+        if self._index is None:
+            raise RuntimeError("BlockStore.open() was not called")
+        return self._index
 
     def _in_loop(self, fn: Callable[[], None]) -> None:
         (self._loop_call or (lambda f: f()))(fn)
@@ -555,9 +516,8 @@ class BlockStore:
             return
         touched, self._touched = self._touched, {}
         self._last_flush = now
-        for k, t in touched.items():
-            if k in self._records:
-                self.worker.row(TOUCH_BLOCK, (t, k[0], k[1]))
+        records = self._records
+        self.index.touch((k, t) for k, t in touched.items() if k in records)
 
     # -- writes ------------------------------------------------------------------------------
     def reserve(self, key: BlockKey, size: int, dataset: str,
@@ -565,11 +525,11 @@ class BlockStore:
         """Room for a block about to be written; None when it cannot be kept (already
         resident, not writable, larger than the cache, or everything else pinned).
         ``copy``: a copy of a block another tier member owns, which only free room or other
-        copies make room for (``CopiesFirst``; None without it)."""
+        copies make room for (a policy that ``keeps_copies``; None with one that does not)."""
         need = aligned(size)
         if key in self._records or not self.writable or need > self.capacity:
             return None
-        if copy and not isinstance(self.policy, CopiesFirst):
+        if copy and not self.policy.keeps_copies:
             return None
         if self.admit is not None and not self.admit(dataset, size):
             return None  # the dataset's policy keeps it out (served, not kept)
@@ -594,72 +554,34 @@ class BlockStore:
         """Write a verified block into its reservation (in the worker), then index it (on the
         loop) and call ``done(kept)``. ``data`` must not change until then.
 
-        Writes are gathered: the worker takes every write queued so far in one job, writes
-        adjacent regions with one ``pwritev``, and reports them all back in one call. A
-        Python thread that wakes once per block pays a GIL handover per block while the loop
-        is busy (up to the 5 ms switch interval each); per batch it does not.
+        Writes are gathered (``spokefs.cache.segments.WriteGatherer``): the worker writes
+        every block queued so far in one job and reports them back in one call.
 
         ``padded``: the same bytes in a page-aligned buffer, followed by whatever fills it up
-        to the region's 4 KiB boundary; given, the block is written with direct I/O (the
-        device reads it from the buffer: no copy into the page cache, which measured 1.1-2.6
-        CPU-s per GiB on the VM these numbers come from, against 0.04-0.3 direct)."""
+        to the region's 4 KiB boundary; given, the block is written with direct I/O
+        (``BlockWrite``)."""
         # Given (the fetcher hashed a large block off the loop) or made here (~2 us/128 KiB).
         res.chunks = chunk_digests(data, self.chunk_size) if chunks is None else chunks
-        if padded is not None and len(padded) != aligned(res.size):
-            padded = None
-        with self._writes_lock:
-            self._writes.append((res, data, digest, done, padded))
-            if self._write_queued:
-                return
-            self._write_queued = True
-        self.worker.submit(self._write_queued_blocks)
+        write = _Write(res.seg, res.offset, res.size, data, padded, res=res, digest=digest,
+                       done=done)
+        if self._gather.add(write):
+            self.worker.submit(self._write_queued_blocks)
 
     def _write_queued_blocks(self) -> None:
-        """(worker) Write every queued block, adjacent regions together; report back once."""
-        with self._writes_lock:
-            batch, self._writes = self._writes, []
-            self._write_queued = False
-        batch.sort(key=lambda w: (w[0].seg.id, w[0].offset))
-        i = 0
-        while i < len(batch):
-            seg, start = batch[i][0].seg, batch[i][0].offset
-            direct = seg.dfd is not None and batch[i][4] is not None
-            j, end, iov = i, start, []
-            # A direct group takes only blocks given page-aligned (batch[i] always fits: j
-            # moves on).
-            while (j < len(batch) and batch[j][0].seg is seg and batch[j][0].offset == end
-                   and (not direct or batch[j][4] is not None) and len(iov) < 1000):
-                res, data, padded = batch[j][0], batch[j][1], batch[j][4]
-                if direct:
-                    assert padded is not None
-                    iov.append(padded)
-                else:
-                    iov.append(data)
-                    pad = aligned(res.size) - res.size
-                    if pad and j + 1 < len(batch):
-                        iov.append(_ZEROS[:pad])  # the gap to the next block's boundary
-                end += aligned(res.size)
-                j += 1
-            try:
-                self._segs.write_many(seg, start, iov, direct)
-                self.worker.wrote(seg.fd)
-            except OSError as exc:
-                for w in batch[i:j]:
-                    w[0].error = exc
-                self._segs.punch(seg, start, end - start)
-            i = j
+        """(worker) Write every queued block; report back once."""
+        batch = self._gather.write_queued(self.worker.wrote)
         self._in_loop(lambda: self._written(batch))
 
     def _written(self, batch: list[_Write]) -> None:
-        for res, _data, digest, done, _padded in batch:
-            if res.error is None:
-                kept = self._commit(res, digest)
+        for w in batch:
+            if w.error is None:
+                kept = self._commit(w.res, w.digest)
             else:
                 kept = False
-                self._release(res)
-                self._write_failed(res.error)
-            if done is not None:
-                done(kept)
+                self._release(w.res)
+                self._write_failed(w.error)
+            if w.done is not None:
+                w.done(kept)
 
     def cancel(self, res: Reservation) -> None:
         """Give back a reservation that will not be written (the fetch failed)."""
@@ -695,12 +617,12 @@ class BlockStore:
         res.seg.live_bytes += aligned(size)
         self.used += aligned(size)
         self.data_bytes += size
-        if res.copy and isinstance(self.policy, CopiesFirst):
-            self.policy.insert(key, size, copy=True)
+        if res.copy:
+            self.policy.insert_copy(key, size)
         else:
             self.policy.insert(key, size)
-        self.worker.row(INSERT_BLOCK, (key[0], key[1], res.seg.id, res.offset, size, digest,
-                                       res.chunks, res.dataset, now, now))
+        self.index.insert(key, res.seg.id, res.offset, size, digest, res.chunks, res.dataset,
+                          now)
         for fn in self.events.changed:
             fn(key, loc)
         return True
@@ -731,9 +653,9 @@ class BlockStore:
         """Evict until used + reserved <= limit. False if pinned blocks prevent it (or,
         ``copies_only``, the tier copies there are: owned blocks stay)."""
         n, before = 0, self.data_bytes
+        victim = self.policy.copy_victim if copies_only else self.policy.victim
         while self.used + self.reserved > limit:
-            key = (self.policy.victim(copies_only=True) if copies_only
-                   and isinstance(self.policy, CopiesFirst) else self.policy.victim())
+            key = victim()
             if key is None:
                 break
             self._remove(key)
@@ -764,7 +686,7 @@ class BlockStore:
         seg.live -= 1
         seg.live_bytes -= aligned(loc.size)
         self._touched.pop(key, None)
-        self.worker.row(DELETE_BLOCK, key)
+        self.index.delete(key)
         held = self._held.get(key)
         if held is not None and held[1] is loc:
             # Being sent (held): freed when the last sender lets go. Counted as reserved
@@ -844,7 +766,7 @@ class BlockStore:
     def set_object_size(self, version: str, size: int) -> None:
         if self._sizes.get(version) != size:
             self._sizes[version] = size
-            self.worker.row(SET_OBJECT, (version, size))
+            self.index.set_object_size(version, size)
 
     def kv_get(self, key: str) -> str | None:
         return self._kv.get(key)
@@ -852,11 +774,11 @@ class BlockStore:
     def kv_set(self, key: str, value: str) -> None:
         if self._kv.get(key) != value:
             self._kv[key] = value
-            self.worker.row(SET_KV, (key, value))
+            self.index.set_kv(key, value)
 
     def kv_delete(self, key: str) -> None:
         if self._kv.pop(key, None) is not None:
-            self.worker.row(DELETE_KV, (key,))
+            self.index.delete_kv(key)
 
     def kv_items(self, prefix: str) -> list[tuple[str, str]]:
         return sorted((k, v) for k, v in self._kv.items() if k.startswith(prefix))
@@ -890,13 +812,7 @@ class BlockStore:
         """dataset -> (least, most recent use) of its committed blocks, from the index (a
         connection of its own: safe in a thread; the index lags up to 50 ms and access times
         up to the last flush)."""
-        db = connect(self.root / "index.sqlite", self.busy_timeout)
-        try:
-            rows = db.execute("SELECT dataset, MIN(last_access), MAX(last_access) FROM blocks "
-                              "GROUP BY dataset").fetchall()
-        finally:
-            db.close()
-        return {str(ds): (float(lo), float(hi)) for ds, lo, hi in rows}
+        return block_index.use_times(self.root, self.busy_timeout)
 
     def stats(self) -> dict[str, object]:
         return {"dir": str(self.root.resolve()), "id": self.instance,
@@ -907,4 +823,4 @@ class BlockStore:
                 "segments": len(self._segs.segments), "writable": self.writable,
                 "policy": self.policy.name,
                 **({"tier_copy_bytes": self.policy.copy_bytes}
-                   if isinstance(self.policy, CopiesFirst) else {})}
+                   if self.policy.keeps_copies else {})}

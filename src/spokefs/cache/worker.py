@@ -1,12 +1,13 @@
 """The store's one worker thread: block writes to segment files and batched index commits.
 
 The event loop owns the index (in memory) and never waits on the disk: it hands the worker
-jobs (write this block there, then tell me) and index rows (insert, delete, facts), and goes
-on. The worker writes blocks as they come and commits the rows it has in one transaction at
-most every ``commit_every`` seconds, so a block costs no commit of its own. With ``fsync``,
-the segment files written since the last commit are flushed before the commit, so a row never
-becomes durable before its bytes. Either way a crash can only leave rows whose bytes are
-missing or torn, and the digest check on every read turns those into misses.
+jobs (write these blocks there, then tell me) and queues index rows (insert, delete, facts:
+``spokefs.cache.index``), and goes on. The worker runs jobs as they come and commits the
+queued rows in one transaction at most every ``commit_every`` seconds, so a block costs no
+commit of its own. With ``fsync``, the segment files written since the last commit are
+flushed before the commit, so a row never becomes durable before its bytes. Either way a
+crash can only leave rows whose bytes are missing or torn, and the digest check on every read
+turns those into misses.
 """
 
 from __future__ import annotations
@@ -19,59 +20,27 @@ import sqlite3
 import threading
 import time
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
+from spokefs.cache.index import BlockIndex
+
 log = logging.getLogger(__name__)
-
-SCHEMA = """
-CREATE TABLE IF NOT EXISTS blocks (
-    version TEXT, idx INTEGER, seg INTEGER, off INTEGER, size INTEGER, digest BLOB,
-    chunks BLOB, dataset TEXT, last_access REAL, stored REAL, PRIMARY KEY (version, idx));
-CREATE TABLE IF NOT EXISTS objects (version TEXT PRIMARY KEY, size INTEGER);
-CREATE TABLE IF NOT EXISTS kv (key TEXT PRIMARY KEY, value TEXT);
-"""
-
-INSERT_BLOCK = ("INSERT OR REPLACE INTO blocks (version, idx, seg, off, size, digest, chunks, "
-                "dataset, last_access, stored) VALUES (?,?,?,?,?,?,?,?,?,?)")
-DELETE_BLOCK = "DELETE FROM blocks WHERE version=? AND idx=?"
-TOUCH_BLOCK = "UPDATE blocks SET last_access=? WHERE version=? AND idx=?"
-SET_OBJECT = "INSERT OR REPLACE INTO objects VALUES (?,?)"
-SET_KV = "INSERT OR REPLACE INTO kv VALUES (?,?)"
-DELETE_KV = "DELETE FROM kv WHERE key=?"
-
-
-def connect(path: Path, busy_timeout: float = 30.0) -> sqlite3.Connection:
-    """The index, in WAL mode. ``busy_timeout``: how long a statement waits for a lock another
-    connection holds before it fails with "database is locked" (never a reason to wipe)."""
-    db = sqlite3.connect(path, check_same_thread=False, isolation_level=None,
-                         timeout=busy_timeout)
-    try:
-        db.execute("PRAGMA journal_mode=WAL")
-        db.execute("PRAGMA synchronous=NORMAL")
-        db.executescript(SCHEMA)
-    except sqlite3.Error:
-        db.close()
-        raise
-    return db
-
 
 Job = Callable[[], Any]
 
 
 class StoreWorker:
-    """Runs ``submit``ted jobs in order and commits ``row``s in batches, in one thread."""
+    """Runs ``submit``ted jobs in order and commits the index's queued rows in batches, in
+    one thread."""
 
-    def __init__(self, db: sqlite3.Connection, fsync: bool,
+    def __init__(self, index: BlockIndex, fsync: bool,
                  on_index_error: Callable[[Exception], None],
                  commit_every: float = 0.05) -> None:
-        self.db = db
+        self.index = index
         self.fsync = fsync
         self.commit_every = commit_every
         self.on_index_error = on_index_error
         self._jobs: queue.SimpleQueue[Job | None] = queue.SimpleQueue()
-        self._rows: list[tuple[str, tuple[Any, ...]]] = []
-        self._rows_lock = threading.Lock()
         self._dirty_fds: set[int] = set()
         self._thread = threading.Thread(target=self._run, name="spokefs-store", daemon=True)
         self._closing = False
@@ -83,11 +52,6 @@ class StoreWorker:
     def submit(self, job: Job) -> None:
         """Run ``job()`` in the worker (it reports back by itself)."""
         self._jobs.put(job)
-
-    def row(self, sql: str, params: tuple[Any, ...]) -> None:
-        """Queue an index row for the next commit."""
-        with self._rows_lock:
-            self._rows.append((sql, params))
 
     def wrote(self, fd: int) -> None:
         """A segment file was written (worker thread): flush it before the next commit."""
@@ -143,23 +107,15 @@ class StoreWorker:
                 next_commit = time.monotonic() + self.commit_every
 
     def _commit(self) -> None:
-        with self._rows_lock:
-            rows, self._rows = self._rows, []
-        if rows:
-            for fd in list(self._dirty_fds):
-                with contextlib.suppress(OSError):
-                    os.fdatasync(fd)
-            self._dirty_fds.clear()
-            try:
-                self.db.execute("BEGIN")
-                try:
-                    for sql, params in rows:
-                        self.db.execute(sql, params)
-                    self.db.execute("COMMIT")
-                except BaseException:
-                    self.db.execute("ROLLBACK")
-                    raise
-            except sqlite3.Error as exc:
-                # A full index volume: the rows are lost, which only costs refetches (a row
-                # missing for bytes written is an orphan region, freed at the next open).
-                self.on_index_error(exc)
+        try:
+            self.index.commit(before=self._flush_files)
+        except sqlite3.Error as exc:
+            # A full index volume: the rows are lost, which only costs refetches (a row
+            # missing for bytes written is an orphan region, freed at the next open).
+            self.on_index_error(exc)
+
+    def _flush_files(self) -> None:
+        for fd in list(self._dirty_fds):
+            with contextlib.suppress(OSError):
+                os.fdatasync(fd)
+        self._dirty_fds.clear()

@@ -27,7 +27,17 @@ Rules every policy keeps (the parametrised suite in tests/test_policy.py checks 
 - Pinned resident blocks sit outside the policy's ordering, so ``victim()`` stays O(1)
   amortised however many blocks are pinned; an unpinned block comes back as freshly used.
 
-Policies register by name (``@register_policy``); ``make_policy(name, **options)`` builds one.
+Every policy is built the same way, ``cls(capacity=bytes_or_None, **its_options)``: the
+capacity is the store's (a policy that sizes its queues by it uses it, the others ignore it),
+so a caller never asks a policy what it takes. Policies register by name
+(``@register_policy``); ``make_policy(name, capacity=..., **options)`` builds one.
+
+A tier member's copies of other members' blocks (``CopiesFirst``) are part of the protocol too,
+so the store never asks which kind of policy it has: ``keeps_copies`` says whether
+``insert_copy`` keeps a block as a copy (False: a plain policy, where a copy is an ordinary
+block and the store admits none), ``copy_victim()`` is the next copy to leave (None for a
+plain policy), ``copy_bytes`` what copies hold and ``reclassify`` moves blocks between the two
+classes (a no-op without copies).
 """
 
 from __future__ import annotations
@@ -62,6 +72,16 @@ class EvictionPolicy(Protocol):
     def __len__(self) -> int: ...
     def __contains__(self, key: object) -> bool: ...
 
+    # A tier member's copies (see the module docstring); plain policies: none.
+    @property
+    def keeps_copies(self) -> bool: ...
+    @property
+    def copy_bytes(self) -> int: ...
+    def insert_copy(self, key: BlockKey, size: int) -> None: ...
+    def copy_victim(self) -> BlockKey | None: ...
+    def reclassify(self, keys: Iterable[BlockKey], is_copy: Callable[[BlockKey], bool]
+                   ) -> int: ...
+
 
 POLICIES: dict[str, type[EvictionPolicy]] = {}
 
@@ -77,17 +97,21 @@ def register_policy(cls: _P) -> _P:
     return cls
 
 
-def make_policy(name: str, **options: object) -> EvictionPolicy:
-    """Build the policy registered as ``name`` with its keyword ``options``."""
+def make_policy(name: str, capacity: int | None = None, copies: bool = False,
+                **options: object) -> EvictionPolicy:
+    """Build the policy registered as ``name`` for a store of ``capacity`` bytes (None: not
+    known), with its keyword ``options``. ``copies``: wrapped in ``CopiesFirst``, for a tier
+    member that keeps copies of other members' blocks in spare room."""
     try:
         cls = POLICIES[name]
     except KeyError:
         known = ", ".join(sorted(POLICIES))
         raise ConfigError(f"unknown eviction policy {name!r}; choose one of: {known}") from None
     try:
-        return cls(**options)
+        policy = cls(capacity=capacity, **options)  # type: ignore[call-arg]
     except TypeError as exc:
         raise ConfigError(f"bad options for eviction policy {name!r}: {exc}") from exc
+    return CopiesFirst(policy) if copies else policy
 
 
 class _PinnedBase:
@@ -99,7 +123,10 @@ class _PinnedBase:
 
     name: ClassVar[str]
 
-    def __init__(self) -> None:
+    def __init__(self, capacity: int | None = None) -> None:
+        if capacity is not None and capacity < 0:
+            raise ConfigError(f"{self.name} capacity must be >= 0 bytes, got {capacity}")
+        self.capacity = capacity  # the store's, in bytes (None: not known)
         self._sizes: dict[BlockKey, int] = {}  # every resident key, pinned or not
         self._pins: dict[BlockKey, int] = {}  # pin counts, resident or not
         self.resident_bytes = 0
@@ -179,6 +206,26 @@ class _PinnedBase:
     def __contains__(self, key: object) -> bool:
         return key in self._sizes
 
+    # -- a tier member's copies: a plain policy keeps none ------------------------------------
+    @property
+    def keeps_copies(self) -> bool:
+        return False
+
+    @property
+    def copy_bytes(self) -> int:
+        return 0
+
+    def insert_copy(self, key: BlockKey, size: int) -> None:
+        """Without copies a copy is an ordinary block (the store admits none anyway)."""
+        self.insert(key, size)
+
+    def copy_victim(self) -> BlockKey | None:
+        return None
+
+    def reclassify(self, keys: Iterable[BlockKey], is_copy: Callable[[BlockKey], bool]
+                   ) -> int:
+        return 0
+
     def __repr__(self) -> str:
         return (
             f"<{type(self).__name__} resident={len(self._sizes)} "
@@ -192,8 +239,8 @@ class LRUPolicy(_PinnedBase):
 
     name = "lru"
 
-    def __init__(self) -> None:
-        super().__init__()
+    def __init__(self, *, capacity: int | None = None) -> None:  # the capacity is not used
+        super().__init__(capacity)
         self._order: OrderedDict[BlockKey, None] = OrderedDict()
 
     def _attach(self, key: BlockKey) -> None:
@@ -233,12 +280,11 @@ class S3FIFOPolicy(_PinnedBase):
     def __init__(
         self, capacity: int | None = None, small_ratio: float = 0.1, promote_at: int = 2
     ) -> None:
-        super().__init__()
-        if capacity is not None and capacity <= 0:
+        super().__init__(capacity)
+        if capacity == 0:  # its queues are shares of the capacity
             raise ConfigError(f"s3fifo capacity must be > 0 bytes, got {capacity}")
         if not 0.0 < small_ratio < 1.0:
             raise ConfigError(f"s3fifo small_ratio must lie in (0, 1), got {small_ratio}")
-        self.capacity = capacity
         self.small_ratio = small_ratio
         self.promote_at = promote_at
         self._small: OrderedDict[BlockKey, None] = OrderedDict()
@@ -457,8 +503,8 @@ class BeladyPolicy(_PinnedBase):
 
     name = "belady"
 
-    def __init__(self, window: int = 256) -> None:
-        super().__init__()
+    def __init__(self, window: int = 256, *, capacity: int | None = None) -> None:
+        super().__init__(capacity)  # the capacity is not used: the future orders everything
         if window < 1:
             raise ConfigError(f"belady window must be >= 1, got {window}")
         self.window = window
@@ -559,7 +605,7 @@ class CopiesFirst:
     A member that serves a block another member owns keeps a copy if it can (the next read
     through it is local, not a hop to the owner), but copies only fill room the owned blocks
     do not use: every copy leaves before any owned block (least recently used copy first),
-    and a copy is admitted only by evicting other copies (``victim(copies_only=True)``), so
+    and a copy is admitted only by evicting other copies (``copy_victim()``), so
     the tier's capacity for one regional copy of each block is never spent on a second one.
     Pins keep owned blocks only: a copy is spare room's guest, and a pin on it (a warm-up or
     an order read through this member) must not make it crowd out an owned block. The owner
@@ -567,7 +613,8 @@ class CopiesFirst:
     send ends (the store's ``hold``).
 
     Everything else follows the rules of ``EvictionPolicy``; anything else asked of it (an
-    announced future) goes to the owned policy."""
+    announced future) goes to the owned policy. ``make_policy(name, copies=True)`` builds
+    one."""
 
     def __init__(self, owned: EvictionPolicy) -> None:
         self.owned = owned
@@ -576,6 +623,10 @@ class CopiesFirst:
     @property
     def name(self) -> str:  # type: ignore[override]
         return self.owned.name
+
+    @property
+    def keeps_copies(self) -> bool:
+        return True
 
     @property
     def copy_bytes(self) -> int:
@@ -587,6 +638,14 @@ class CopiesFirst:
         else:
             self.copies.remove(key)
             self.owned.insert(key, size)
+
+    def insert_copy(self, key: BlockKey, size: int) -> None:
+        """A copy of a block another member owns (owned already: stays owned)."""
+        self.insert(key, size, copy=True)
+
+    def copy_victim(self) -> BlockKey | None:
+        """The next copy to leave; None when there is none (owned blocks stay)."""
+        return self.copies.victim()
 
     def access(self, key: BlockKey) -> None:
         (self.copies if key in self.copies else self.owned).access(key)

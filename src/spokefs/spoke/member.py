@@ -16,7 +16,6 @@ from prometheus_client import CollectorRegistry
 
 from spokefs.cache.store import BlockStore
 from spokefs.errors import ConfigError
-from spokefs.policy import CopiesFirst
 from spokefs.spoke.config import SpokeConfig
 from spokefs.spoke.tier import Tier, make_lookup
 from spokefs.tasks import Tasks
@@ -52,7 +51,7 @@ class Member:
         tier = self.tier
         # The index knows no owner (copies): ask the ranking now and whenever it changes.
         tier.on_change = self.members_changed
-        if isinstance(self.store.policy, CopiesFirst):
+        if self.store.policy.keeps_copies:
             self.tasks.spawn(self.reclassify_copies(), "tier-copies")
         if self.store.data_bytes == 0:  # a new member, or a replaced node's empty disk
             tier.open_handoff(self.handoff)
@@ -63,7 +62,7 @@ class Member:
     def members_changed(self) -> None:
         """Members joined or left: shares moved (copies may now be owned, and the reverse),
         and blocks this member now owns are likely held by others: a handoff."""
-        if isinstance(self.store.policy, CopiesFirst):
+        if self.store.policy.keeps_copies:
             self.tasks.spawn(self.reclassify_copies(), "tier-copies")
         self.tier.open_handoff(self.handoff)
 
@@ -72,7 +71,6 @@ class Member:
         which this member owns, by the ranking: at start (the index does not say) and when
         members join or leave. In slices: millions of blocks, readers go on meanwhile."""
         policy = self.store.policy
-        assert isinstance(policy, CopiesFirst)
         router = self.tier.router
         keys = policy.resident_keys()
         moved = 0
@@ -86,5 +84,5 @@ class Member:
 
     def status(self) -> dict[str, object]:
         policy = self.store.policy
-        copies = policy.copy_bytes if isinstance(policy, CopiesFirst) else None
+        copies = policy.copy_bytes if policy.keeps_copies else None
         return {**self.tier.status(), "copies": copies is not None, "copy_bytes": copies or 0}

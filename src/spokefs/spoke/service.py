@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import inspect
 import time
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -34,7 +33,7 @@ from spokefs.integrity import DEFAULT_BLOCK_SIZE
 from spokefs.linkmodel import LinkModel
 from spokefs.manifest import MAX_BLOCK_SIZE, Manifest
 from spokefs.planner import Planner
-from spokefs.policy import POLICIES, BlockKey, CopiesFirst, EvictionPolicy, make_policy
+from spokefs.policy import BlockKey, make_policy
 from spokefs.spoke.config import SpokeConfig
 from spokefs.spoke.datasets import DatasetConfig
 from spokefs.spoke.fetcher import Fetcher
@@ -73,9 +72,9 @@ class SpokeBackend:
         # Training jobs' step reports: data wait against compute (POST .../jobs/{job}/steps).
         self.jobs = JobSignal()
         self.registry.register(JobMetrics(self.jobs))
-        policy = _policy(config.policy, config.cache_size)
-        if config.tiered() and config.tier_copies:
-            policy = CopiesFirst(policy)  # copies of other members' blocks, in spare room
+        # copies=: other members' blocks kept in spare room (a tier with --tier-copies)
+        policy = make_policy(config.policy, capacity=config.cache_size,
+                             copies=config.tiered() and config.tier_copies)
         self.store = BlockStore(config.cache_dir, config.cache_size, policy, fsync=config.fsync,
                                 direct_io=config.direct_io())
         # Metadata (dataset info, manifests): small JSON answers, through aiohttp.
@@ -303,9 +302,3 @@ class SpokeBackend:
             "stale": self.retention.status(),
             "tier": self.member.status() if self.member is not None else None,
         }
-
-
-def _policy(name: str, capacity: int) -> EvictionPolicy:
-    cls = POLICIES.get(name)
-    wants_capacity = cls is not None and "capacity" in inspect.signature(cls).parameters
-    return make_policy(name, **({"capacity": capacity} if wants_capacity else {}))
