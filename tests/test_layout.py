@@ -13,7 +13,8 @@ from pathlib import Path
 
 SRC = Path(__file__).resolve().parent.parent / "src"
 SANS_IO = ("spokefs.planner", "spokefs.policy", "spokefs.spoke.fetchqueue",
-           "spokefs.linkmodel", "spokefs.tier.rendezvous", "spokefs.tier.membership")
+           "spokefs.linkmodel", "spokefs.tier.rendezvous", "spokefs.tier.membership",
+           "spokefs.wire.h1", "spokefs.wire.frames")
 IO_MODULES = {"asyncio", "os", "socket", "sqlite3", "subprocess", "threading", "selectors",
               "aiohttp", "urllib3", "http", "shutil", "mmap"}
 

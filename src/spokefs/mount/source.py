@@ -139,7 +139,9 @@ class UpstreamSource:
             raise ReadFailed(f"{what}: {exc}") from exc
 
     async def _read_into(self, path: str, version: str, start: int, buf: memoryview) -> int:
-        return (await self.ranges.read_into(path, start, buf, self._snapshot))[0]
+        # The version's ETag is required: an answer for another version never fills buf.
+        return (await self.ranges.read_into(path, start, buf, self._snapshot,
+                                            etag=version))[0]
 
     async def close(self) -> None:
         if self.local is not None:
