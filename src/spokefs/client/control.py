@@ -191,7 +191,7 @@ class SpokeControl:
                     asked_at = now  # (its metrics at most once a second: a scrape costs)
                     if self._warm_over(before, started["blocks_to_fetch"]):
                         ended_at = now
-                elif now - ended_at >= SETTLE_S:  # over, and nothing landed since
+                elif ended_at is not None and now - ended_at >= SETTLE_S:  # over, nothing since
                     raise WarmIncomplete(r, self.missing(paths, prefix))
                 if end is not None and now > end:
                     raise WarmTimedOut(timeout or 0.0, r)
