@@ -252,6 +252,14 @@ class StoreEvents:
 
 
 class BlockStore:
+    """The block cache on disk: where each block is, what it costs, and every read checked.
+
+    Why one class of ~570 lines: its invariant, "the bytes counted against the capacity are
+    the bytes the index and the segment files hold", is kept by reservations, evictions,
+    writes and recovery together, so they live together. What could leave it has: the index
+    (``cache.index``), write gathering (``cache.segments``), the writer thread
+    (``cache.worker``) and the checked reads (the native core)."""
+
     def __init__(self, root: Path, capacity: int, policy: EvictionPolicy,
                  fsync: bool = True, chunk_size: int = CHUNK, direct_io: bool = False,
                  busy_timeout: float = 30.0) -> None:

@@ -253,7 +253,13 @@ Spawn = Callable[[Coroutine[Any, Any, Any]], asyncio.Task[Any]]
 
 class Fetcher:
     """The spoke's fetch path. ``finished(key, resident)`` hears every fetch's end (resident:
-    the block was indexed; False: failed, cancelled, or passed through)."""
+    the block was indexed; False: failed, cancelled, or passed through).
+
+    Why one class of ~550 lines: the single-flight table, the batches in flight, the link's
+    pacing and the deadline share one state that every fetch's end changes at once; split,
+    each part would reach into the others. The policy of what to ask for next is already
+    apart (``fetchqueue``, sans-I/O), as are the receive buffers (``Arenas``). The bytes'
+    half of this class is what the native data plane (issue 28) moves out of Python next."""
 
     def __init__(self, upstream: str, store: BlockStore, metrics: SpokeMetrics, *,
                  spawn: Spawn, max_requests: int = 64, deadline: float = 30.0,
