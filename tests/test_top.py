@@ -237,9 +237,11 @@ def test_live_view_in_a_terminal_quits_on_q(spoke_server: ServerProcess) -> None
 def test_piped_top_prints_plain_frames_one_after_another(spoke_server: ServerProcess) -> None:
     """Not a terminal (a pipe, a log): frames of plain text, no escape codes, like top -b;
     Ctrl-C ends it cleanly."""
+    # SIGINT as a shell gives it: pytest-xdist's workers ignore it, and children inherit that.
     proc = subprocess.Popen([sys.executable, "-m", "spokefs.cli", "top", spoke_server.url,
                              "--interval", "0.2"], stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE)
+                            stderr=subprocess.PIPE,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     assert proc.stdout is not None
     out = b""
     try:
