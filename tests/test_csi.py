@@ -136,12 +136,16 @@ def test_volume_attributes() -> None:
     assert spec.url == "https://other:8471/imagenet@3fa9c1d20b7e"
     assert spec.deadline == "1m" and spec.token == "abc"
     assert "abc" not in repr(spec)  # a token is never shown
+    # dataset "*": the namespace, a folder per dataset the token may read
+    spec = _parse({"dataset": "*"})
+    assert spec.namespace and spec.url == "http://spoke:8471/"
 
 
 @pytest.mark.parametrize(("kwargs", "message"), [
     ({"context": {}}, "volume attribute 'dataset' is required"),
     ({"context": {"dataset": "../etc"}}, "volume attribute 'dataset'"),
     ({"context": {"dataset": "ds", "snapshot": "a/b"}}, "volume attribute 'snapshot'"),
+    ({"context": {"dataset": "*", "snapshot": "abc"}}, "a namespace volume"),
     ({"context": {"dataset": "ds", "datset": "x"}}, "unknown volume attribute 'datset'"),
     ({"context": {"dataset": "ds", "spokeUrl": "ftp://x"}}, "volume attribute 'spokeUrl'"),
     ({"context": {"dataset": "ds"}, "default": None}, "volume attribute 'spokeUrl' is required"),
@@ -325,6 +329,14 @@ def test_publish_read_restart_unpublish(stack: tuple[Path, ServerProcess], work:
             assert _sha(b / "shards" / "shard-000.tar") == _sha(ds / "shards" / "shard-000.tar")
             (pid_b,) = _mount_pids(b)
             assert pid_b != pid_a
+            # the namespace: every dataset a folder; unpublished again at once
+            n = _target(work, "pod-n", "all")
+            c.call("NodePublishVolume", _publish_request("csi-n", n, {"dataset": "*"}))
+            assert os.listdir(n) == ["ds"]
+            assert _sha(n / "ds" / "class1" / "img0001.jpg") == \
+                _sha(ds / "class1" / "img0001.jpg")
+            c.call("NodeUnpublishVolume", volume_id="csi-n", target_path=str(n))
+            assert not sysfs.is_mounted(n)
 
         # the driver dies while a file of volume a is open: the file stays readable
         held = open(a / "shards" / "shard-000.tar", "rb")  # noqa: SIM115 (held across steps)

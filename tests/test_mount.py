@@ -51,7 +51,9 @@ def test_target_parse() -> None:
     # dataset b to the mount and dataset a (path b) to spokefs.open, status and warm.
     t = Target.parse("hub:8470/ds")
     assert (t.base, t.dataset) == ("http://hub:8470", "ds")
-    for bad in ("http://hub:8470", "http://hub:8470/", "ftp://h/ds", "http://hub:8470/a/b"):
+    # No dataset: the namespace (tests/test_namespace_mount.py).
+    assert Target.parse("http://hub:8470/").namespace
+    for bad in ("ftp://h/ds", "ftp://h/", "http://hub:8470/a/b"):
         with pytest.raises(ConfigError):
             Target.parse(bad)
     # A name the server would refuse fails here, not as a 400 from the upstream at mount.

@@ -49,6 +49,7 @@ log = logging.getLogger(__name__)
 # Volume attributes (a PersistentVolume's spec.csi.volumeAttributes, an inline volume's
 # volumeAttributes) spokefs reads; the kubelet adds its own under csi.storage.k8s.io/.
 ATTRIBUTES = ("dataset", "snapshot", "spokeUrl", "deadline")
+NAMESPACE = "*"  # the 'dataset' of a volume that mounts the whole namespace
 KUBERNETES_PREFIX = "csi.storage.k8s.io/"
 TOKEN_KEY = "token"  # the key of nodePublishSecretRef's Secret that holds a read token
 
@@ -101,7 +102,13 @@ class VolumeSpec:
     token: str | None = field(default=None, repr=False, compare=False)  # never logged
 
     @property
+    def namespace(self) -> bool:
+        return self.dataset == NAMESPACE
+
+    @property
     def url(self) -> str:
+        if self.namespace:  # every dataset the token may read, a folder each
+            return f"{self.spoke}/"
         return f"{self.spoke}/{self.dataset}" + (f"@{self.snapshot}" if self.snapshot else "")
 
 
@@ -127,8 +134,14 @@ def parse_request(volume_id: str, target: str, context: Mapping[str, str],
                               f"{', '.join(ATTRIBUTES)})")
     dataset = context.get("dataset", "")
     if not dataset:
-        raise InvalidArgument("volume attribute 'dataset' is required (the dataset's name)")
-    if not NAME.fullmatch(dataset):
+        raise InvalidArgument("volume attribute 'dataset' is required (the dataset's name, "
+                              f"or {NAMESPACE!r} for every dataset the token may read)")
+    if dataset == NAMESPACE:
+        if context.get("snapshot"):
+            raise InvalidArgument(f"volume attribute 'snapshot': a namespace volume (dataset "
+                                  f"{NAMESPACE!r}) pins each dataset when first entered; "
+                                  "name one dataset to pin a snapshot")
+    elif not NAME.fullmatch(dataset):
         raise InvalidArgument(f"volume attribute 'dataset': invalid name {dataset!r} (letters, "
                               "digits, '.', '_', '-')")
     snapshot = context.get("snapshot", "")
@@ -440,8 +453,13 @@ class Volumes:
                         timeout=self.preflight_timeout, token=token)
         what = f"dataset {spec.dataset!r}" + (
             f" snapshot {spec.snapshot!r}" if spec.snapshot else "") + f" at {spec.spoke}"
+        if spec.namespace:
+            what = f"the datasets at {spec.spoke}"
         try:
-            client.resolve(spec.dataset, spec.snapshot or "latest")
+            if spec.namespace:
+                client.get_json("/v1/datasets")
+            else:
+                client.resolve(spec.dataset, spec.snapshot or "latest")
         except NotFound as exc:
             raise VolumeNotFound(f"{what}: {exc}") from None
         except (Unauthorized, Forbidden) as exc:

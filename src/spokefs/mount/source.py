@@ -18,6 +18,7 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol, TypeVar
+from urllib.parse import urlsplit
 
 from spokefs.cache.shared import SharedCache, SharedLoc
 from spokefs.cache.store import CHUNK
@@ -44,22 +45,39 @@ T = TypeVar("T")
 
 @dataclass(frozen=True, slots=True)
 class Target:
-    """A parsed mount URL: ``http://host:port/<dataset>[@<snapshot>]``."""
+    """A parsed mount URL: ``http://host:port/<dataset>[@<snapshot>]``, or the whole
+    namespace, ``http://host:port/`` (``dataset`` ""; ``mount/namespace.py``)."""
 
     base: str
     dataset: str
     snapshot: str = "latest"
 
+    @property
+    def namespace(self) -> bool:
+        return not self.dataset
+
     @classmethod
     def parse(cls, url: str) -> Target:
-        """By the rules every spokefs URL follows (``parse_url``); a mount's names no path."""
-        u = parse_url(url.strip())
+        """By the rules every spokefs URL follows (``parse_url``); a mount's names no path.
+        A URL that names no dataset is the namespace: every dataset, each a folder."""
+        url = url.strip()
+        full = url if "://" in url else f"http://{url}"
+        if not urlsplit(full).path.strip("/"):
+            try:  # the scheme and host checks of every spokefs URL
+                u = parse_url(full.rstrip("/") + "/x")
+            except ConfigError:
+                raise ConfigError(f"not a spokefs URL: {url!r} (expected http://HOST:PORT/ "
+                                  "or http://HOST:PORT/DATASET[@SNAPSHOT])") from None
+            return cls(u.base, "")
+        u = parse_url(url)
         if u.path:
             raise ConfigError(f"a mount URL names a dataset, not a path in it: {url!r} "
                               "(expected http://HOST:PORT/DATASET[@SNAPSHOT])")
         return cls(u.base, u.dataset, u.snapshot)
 
     def __str__(self) -> str:
+        if self.namespace:
+            return f"{self.base}/"
         return f"{self.base}/{self.dataset}@{self.snapshot}"
 
 
