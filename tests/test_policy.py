@@ -7,7 +7,15 @@ import random
 import pytest
 
 from spokefs.errors import ConfigError
-from spokefs.policy import POLICIES, BlockKey, CopiesFirst, EvictionPolicy, make_policy
+from spokefs.policy import (
+    POLICIES,
+    BlockKey,
+    CopiesFirst,
+    EvictionPolicy,
+    Share,
+    Shares,
+    make_policy,
+)
 
 MiB = 1 << 20
 
@@ -16,9 +24,18 @@ def k(i: int, version: str = "v") -> BlockKey:
     return (version, i)
 
 
-@pytest.fixture(params=sorted(POLICIES))
+@pytest.fixture(params=sorted(POLICIES) + [f"{name}/{where}" for name in sorted(POLICIES)
+                                            for where in ("reserved", "shared")])
 def policy(request: pytest.FixtureRequest) -> EvictionPolicy:
-    return make_policy(request.param)
+    """Every policy, alone and under ``Shares``: the keys' dataset (``k()``'s "v") with a
+    reservation of its own (a class; nothing else to take, so it gives its own), or none
+    (the shared instance, beside another dataset's empty reservation)."""
+    name, _, where = request.param.partition("/")
+    if not where:
+        return make_policy(name)
+    reserved = "v" if where == "reserved" else "other"
+    return Shares(make_policy(name), dataset_of=lambda key: key[0], clock=lambda: 0.0,
+                  shares={reserved: Share(min_bytes=1 << 40)})
 
 
 def fill(policy: EvictionPolicy, n: int, size: int = MiB) -> None:
@@ -41,7 +58,7 @@ def drain(policy: EvictionPolicy) -> list[BlockKey]:
 
 def test_registry_and_protocol(policy: EvictionPolicy) -> None:
     assert isinstance(policy, EvictionPolicy)
-    assert POLICIES[policy.name] is type(policy)
+    assert POLICIES[policy.name] is type(getattr(policy, "shared", policy))
 
 
 def test_unknown_policy_names_the_known_ones() -> None:
@@ -471,3 +488,188 @@ def test_copies_are_reclassified_by_owner() -> None:
     assert p.reclassify([k(0), k(1), k(99)], lambda key: key[1] != 0) == 2
     assert p.victim(copies_only=True) in {k(1), k(2)} and p.copy_bytes == 2 * MiB
     assert sorted(drain(p)[:2]) == [k(1), k(2)]
+
+
+# -- fair shares ------------------------------------------------------------------------------
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.t = 0.0
+
+    def __call__(self) -> float:
+        return self.t
+
+
+def shares(name: str = "lru", clock: Clock | None = None, **reserved: Share) -> Shares:
+    """``Shares`` over ``name``; a key's dataset is its version string (``k(i, "a")``)."""
+    return Shares(make_policy(name), dataset_of=lambda key: key[0], clock=clock or Clock(),
+                  shares=reserved)
+
+
+def evict_for(p: Shares, dataset: str) -> BlockKey | None:
+    key = p.victim_for(dataset)
+    if key is not None:
+        p.remove(key)
+    return key
+
+
+@pytest.mark.parametrize("name", sorted(POLICIES))
+def test_a_reservation_in_use_is_never_evicted_for_others(name: str) -> None:
+    p = shares(name, a=Share(min_bytes=4 * MiB))
+    for i in range(4):
+        p.insert(k(i, "a"), MiB)
+    for i in range(3):
+        p.insert(k(i, "b"), MiB)
+    assert [evict_for(p, "b") for _ in range(3)] and not any(key in p for key in
+                                                             (k(0, "b"), k(1, "b"), k(2, "b")))
+    assert p.victim_for("b") is None  # only a's reservation is left: b's block passes through
+    assert p.victim_for("a") in {k(i, "a") for i in range(4)}  # a may evict its own
+    assert p.victim() is not None  # no requester (the store shrinking): anything unpinned
+    assert len(p) == 4 and p.resident_bytes_of("a") == 4 * MiB
+
+
+def test_the_one_furthest_over_its_reservation_gives_first() -> None:
+    p = shares(a=Share(min_bytes=2 * MiB))
+    for i in range(4):
+        p.insert(k(i, "a"), MiB)  # 2 MiB over its reservation
+    p.insert(k(0, "b"), MiB)  # b has none: all of its 1 MiB is over
+    assert p.victim_for("b") == k(0, "a")  # a is further over: its oldest block
+    p.insert(k(1, "b"), MiB)
+    p.insert(k(2, "b"), MiB)
+    assert p.victim_for("a") == k(0, "b")  # now b is: its oldest
+    p.remove(k(0, "b"))
+    p.remove(k(1, "b"))
+    p.remove(k(2, "b"))
+    assert [evict_for(p, "b"), evict_for(p, "b"), p.victim_for("b")] == [k(0, "a"), k(1, "a"),
+                                                                        None]
+
+
+def test_an_idle_reservation_is_not_held() -> None:
+    clock = Clock()
+    p = shares(clock=clock, a=Share(min_bytes=8 * MiB, idle_s=600))
+    p.insert(k(0, "a"), MiB)
+    p.insert(k(1, "a"), MiB)
+    clock.t = 500
+    p.access(k(0, "a"))  # read: in use for another 600 s
+    clock.t = 1000
+    assert p.in_use("a") and p.victim_for("b") is None
+    clock.t = 1101
+    assert p.in_use("a") is False and p.in_use("b") is None
+    assert p.victim_for("b") == k(1, "a")  # its own order: k(1) was read least lately
+
+
+def test_a_class_over_its_ceiling_gives_first() -> None:
+    p = shares(a=Share(min_bytes=MiB, max_bytes=2 * MiB))
+    for i in range(3):
+        p.insert(k(i, "a"), MiB)
+    for i in range(5):
+        p.insert(k(i, "b"), MiB)  # further over than a, but a is past its ceiling
+    assert p.victim_for("b") == k(0, "a")
+
+
+def test_reservations_set_at_run_time_move_blocks_and_keep_pins() -> None:
+    """The spoke wraps its filled policy when a reload brings the first min_share: blocks
+    already resident move to their class as they come up, pins stay exact, and the last
+    reservation gone gives the plain policy back with every pin."""
+    inner = make_policy("lru")
+    for i in range(3):
+        inner.insert(k(i, "a"), MiB)
+        inner.insert(k(i, "b"), MiB)
+    inner.pin(k(0, "a"))  # from before the shares
+    held = {"a": 3 * MiB, "b": 3 * MiB}
+    p = Shares(inner, dataset_of=lambda key: key[0], clock=Clock(), resident=held.__getitem__,
+               shares={"a": Share(min_bytes=3 * MiB)})
+    p.pin(k(1, "a"))
+    p.pin(k(1, "a"))
+    victims = []
+    while (key := p.victim_for("b")) is not None:
+        victims.append(key)
+        p.remove(key)
+        held[key[0]] -= MiB
+    assert victims == [k(0, "b"), k(1, "b"), k(2, "b")]  # a's moved aside, none evicted
+    p.unpin(k(1, "a"))
+    p.configure({})  # reservation removed: back to the shared instance
+    plain = p.unwrap()
+    assert plain is inner and sorted(plain.resident_keys()) == [k(i, "a") for i in range(3)]
+    assert drain(plain) == [k(2, "a")]  # both pins held
+    plain.unpin(k(0, "a"))
+    plain.unpin(k(1, "a"))
+    assert sorted(drain(plain)) == [k(0, "a"), k(1, "a")]
+
+
+def test_pins_follow_a_block_through_shares() -> None:
+    p = shares(a=Share(min_bytes=MiB))
+    p.pin(k(0, "a"))  # before it arrives
+    p.insert(k(0, "a"), MiB)
+    p.insert(k(1, "a"), MiB)
+    assert p.pinned(k(0, "a")) and p.victim() == k(1, "a")
+    p.remove(k(0, "a"))  # corrupt: dropped, still pinned
+    p.insert(k(0, "a"), MiB)
+    p.remove(k(1, "a"))
+    assert p.victim() is None
+    p.unpin(k(0, "a"))
+    assert p.victim() == k(0, "a")
+
+
+def test_announced_futures_go_to_the_streams_dataset() -> None:
+    p = shares("belady", a=Share(min_bytes=8 * MiB))
+    for i in range(4):
+        p.insert(k(i, "a"), MiB)
+    p.set_future([k(0, "a"), k(1, "a")], stream="a/job")
+    order = []
+    while (key := p.victim_for("a")) is not None and key[0] == "a" and len(order) < 4:
+        order.append(key)
+        p.remove(key)
+    assert order[:2] == [k(2, "a"), k(3, "a")] and order[2:] == [k(1, "a"), k(0, "a")]
+
+
+def contention(name: str, *, reserve: bool, with_b: bool = True, steps: int = 3000
+               ) -> float:
+    """A store of 100 blocks through ``name``: job A re-reads its 30 blocks in a loop, job
+    B (beside it, ``with_b``) scans 2,000 blocks, 5 of them to each of A's reads, so A's
+    reuse distance (180 blocks) is beyond the cache. B reads each block in three parts (a
+    loader's small reads), which makes s3fifo take its blocks for reused ones. A's hit
+    ratio."""
+    clock = Clock()
+    capacity = 100 * MiB
+    plain = make_policy(name, capacity=capacity)
+    p: EvictionPolicy = (Shares(plain, dataset_of=lambda key: key[0], clock=clock,
+                                make=lambda: make_policy(name, capacity=capacity),
+                                shares={"a": Share(min_bytes=40 * MiB)})
+                         if reserve else plain)
+    used = 0
+
+    def read(key: BlockKey) -> bool:
+        nonlocal used
+        clock.t += 0.01
+        if key in p:
+            p.access(key)
+            return True
+        while used + MiB > capacity:
+            v = p.victim_for(key[0])
+            if v is None:
+                return False  # served, not kept
+            p.remove(v)
+            used -= MiB
+        p.insert(key, MiB)
+        used += MiB
+        return False
+
+    hits = 0
+    b = 0
+    for step in range(steps):
+        hits += read(k(step % 30, "a"))
+        for _ in range(5 if with_b else 0):
+            for _part in range(3):
+                read(k(b % 2000, "b"))
+            b += 1
+    return hits / steps
+
+
+@pytest.mark.parametrize("name", sorted(POLICIES))
+def test_a_reserved_working_set_keeps_its_hit_ratio_beside_a_scan(name: str) -> None:
+    alone = contention(name, reserve=False, with_b=False)
+    assert alone > 0.98
+    assert contention(name, reserve=True) >= 0.95 * alone
+    assert contention(name, reserve=False) < 0.5 * alone  # what the reservation is for

@@ -46,6 +46,7 @@ from __future__ import annotations
 
 import errno
 import fcntl
+import functools
 import logging
 import os
 import secrets
@@ -541,7 +542,7 @@ class BlockStore:
             return None
         if self.admit is not None and not self.admit(dataset, size):
             return None  # the dataset's policy keeps it out (served, not kept)
-        if not self._evict_to(self.capacity - need, copies_only=copy):
+        if not self._evict_to(self.capacity - need, copies_only=copy, dataset=dataset):
             return None
         prev = self._segs.current
         try:
@@ -657,11 +658,15 @@ class BlockStore:
             self._write_error_logged = False
 
     # -- eviction ----------------------------------------------------------------------------
-    def _evict_to(self, limit: int, copies_only: bool = False) -> bool:
+    def _evict_to(self, limit: int, copies_only: bool = False,
+                  dataset: str | None = None) -> bool:
         """Evict until used + reserved <= limit. False if pinned blocks prevent it (or,
-        ``copies_only``, the tier copies there are: owned blocks stay)."""
+        ``copies_only``, the tier copies there are: owned blocks stay; or the room is for
+        ``dataset`` and what is left is others' reserved shares)."""
         n, before = 0, self.data_bytes
-        victim = self.policy.copy_victim if copies_only else self.policy.victim
+        policy = self.policy
+        victim = (policy.copy_victim if copies_only else policy.victim if dataset is None
+                  else functools.partial(policy.victim_for, dataset))
         while self.used + self.reserved > limit:
             key = victim()
             if key is None:

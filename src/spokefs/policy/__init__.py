@@ -1,7 +1,9 @@
 """Eviction policies for the spoke's block store (sans-I/O).
 
 ``make_policy("lru")`` builds one by name (lru, s3fifo, belady); ``POLICIES`` lists every
-registered policy. See ``spokefs.policy.eviction`` for the rules a store and a policy agree on.
+registered policy. ``Shares`` puts a reserved share per dataset over any of them
+(``spokefs.policy.shares``). See ``spokefs.policy.eviction`` for the rules a store and a
+policy agree on.
 """
 
 from spokefs.policy.eviction import (
@@ -15,6 +17,7 @@ from spokefs.policy.eviction import (
     make_policy,
     register_policy,
 )
+from spokefs.policy.shares import Share, Shares
 
 __all__ = [
     "POLICIES",
@@ -24,6 +27,8 @@ __all__ = [
     "EvictionPolicy",
     "LRUPolicy",
     "S3FIFOPolicy",
+    "Share",
+    "Shares",
     "make_policy",
     "register_policy",
 ]

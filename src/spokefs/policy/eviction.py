@@ -16,7 +16,10 @@ The store (``spokefs.cache.store.BlockStore``) drives it like this::
 Rules every policy keeps (the parametrised suite in tests/test_policy.py checks them):
 
 - ``victim()`` returns a resident, unpinned key or None, and does not remove it; calling it
-  twice without a change in between returns the same key.
+  twice without a change in between returns the same key. ``victim_for(dataset)`` is the
+  victim that makes room for a block of ``dataset``: the same as ``victim()`` for a plain
+  policy; ``spokefs.policy.shares.Shares`` (reserved shares per dataset) answers it per
+  dataset, and may answer None where ``victim()`` would not (the others' reservations).
 - ``remove()`` of an unknown key is a no-op; remove never forgets a pin (a corrupt block that
   is fetched again is still pinned when it comes back).
 - Pins nest: every ``pin`` needs its own ``unpin``, because several pin independently: the
@@ -64,6 +67,7 @@ class EvictionPolicy(Protocol):
     def access(self, key: BlockKey) -> None: ...
     def remove(self, key: BlockKey) -> None: ...
     def victim(self) -> BlockKey | None: ...
+    def victim_for(self, dataset: str) -> BlockKey | None: ...
     def pin(self, key: BlockKey) -> None: ...
     def unpin(self, key: BlockKey) -> None: ...
     def pinned(self, key: BlockKey) -> bool: ...
@@ -193,6 +197,11 @@ class _PinnedBase:
 
     def pinned(self, key: BlockKey) -> bool:
         return key in self._pins
+
+    def victim_for(self, dataset: str) -> BlockKey | None:
+        """The victim that makes room for a block of ``dataset``: one order for every
+        dataset here (reserved shares: ``spokefs.policy.shares``)."""
+        return self.victim()
 
     def size_of(self, key: BlockKey) -> int | None:
         return self._sizes.get(key)
@@ -659,6 +668,10 @@ class CopiesFirst:
         if key is None and not copies_only:
             key = self.owned.victim()
         return key
+
+    def victim_for(self, dataset: str) -> BlockKey | None:
+        key = self.copies.victim()
+        return self.owned.victim_for(dataset) if key is None else key
 
     def pin(self, key: BlockKey) -> None:  # counted by the owned policy, resident there or not
         self.owned.pin(key)
