@@ -1,4 +1,4 @@
-"""Per-dataset residency and retention on a spoke (--dataset-config): deny, TTL, share."""
+"""Per-dataset residency and retention on a spoke (--dataset-config): deny, TTL, shares."""
 
 from __future__ import annotations
 
@@ -11,10 +11,10 @@ from pathlib import Path
 import pytest
 import urllib3
 
-from servers import metric, spoke
+from servers import hub, make_dataset, metric, spoke
 from spokefs.cache.inspect import blocks_on_disk
 from spokefs.errors import ConfigError
-from spokefs.spoke.datasets import parse_rules
+from spokefs.spoke.datasets import DatasetConfig, parse_rules
 
 http = urllib3.PoolManager(retries=False)
 
@@ -41,6 +41,28 @@ def test_rules_are_checked() -> None:
                      ("[other]\n", "unknown table"), ("not toml [", "not TOML")):
         with pytest.raises(ConfigError, match=why):
             parse_rules(bad)
+
+
+def test_reserved_shares_are_checked(tmp_path: Path) -> None:
+    default, rules = parse_rules('[default]\nidle_after = "1h"\nmax_share = 0.8\n'
+                                 '[datasets.a]\nmin_share = 0.3\nmax_share = 0.5\n'
+                                 '[datasets.b]\nmin_share = 0.7\nidle_after = "30s"\n')
+    assert rules["a"].min_share == 0.3 and rules["a"].idle_after == 600  # the default window
+    assert rules["b"].idle_after == 30 and default.idle_after == 3600
+    for bad, why in (("[datasets.a]\nmin_share = 0.6\n[datasets.b]\nmin_share = 0.5\n",
+                      r"min_share adds up to 1\.1 \(\[datasets\.a\] 0\.6, \[datasets\.b\] 0\.5\)"),
+                     ("[datasets.a]\nmin_share = 0.6\nmax_share = 0.5\n",
+                      r"\[datasets\.a\]: min_share 0\.6 is above max_share 0\.5"),
+                     ("[datasets.a]\nmin_share = 0\n", r"\[datasets\.a\]: min_share must be"),
+                     ("[default]\nmin_share = 0.1\n", r"\[default\]: min_share is reserved per"),
+                     ('[datasets.a]\nmin_share = 0.1\ncache = "deny"\n', "nothing is kept"),
+                     ('[datasets.a]\nidle_after = "soon"\n', "soon")):
+        with pytest.raises(ConfigError, match=why):
+            parse_rules(bad, "rules.toml")
+    f = tmp_path / "rules.toml"
+    f.write_text("[datasets.a]\nmin_share = 0.6\nmax_share = 0.5\n")
+    with pytest.raises(ConfigError, match=rf"{f} \[datasets\.a\]: min_share"):
+        DatasetConfig(f)  # the file, the table and the key
 
 
 def test_deny_leaves_no_byte_in_the_cache(hub_server, dataset: Path, tmp_path: Path) -> None:
@@ -100,3 +122,67 @@ def test_a_bad_config_stops_the_spoke_with_a_message(hub_server, tmp_path: Path)
                           str(tmp_path / "rules.toml")], capture_output=True, text=True,
                          timeout=60)
     assert run.returncode == 2 and "cache must be" in run.stderr
+
+
+def read_dataset(base: str, name: str, root: Path, under: Path | None = None) -> None:
+    for p in sorted((under or root).rglob("*")):
+        if p.is_file():
+            rel = p.relative_to(root).as_posix()
+            assert http.request("GET", f"{base}/{name}/{rel}").data == p.read_bytes(), rel
+
+
+def misses(base: str, dataset: str) -> int:
+    return status(base)["datasets"]["hits_misses"].get(dataset, [0, 0])[1]
+
+
+def contend(base: str, a: Path, b: Path) -> int:
+    """Job A reads its dataset again and again while job B scans a larger one than the
+    cache (in parts each larger than the cache too); A's misses (blocks fetched from the hub
+    again) once A was read in full."""
+    read_dataset(base, "a", a)
+    before = misses(base, "a")
+    for part in sorted(b.iterdir()):  # B's scan, a folder at a time, A read between
+        read_dataset(base, "b", b, part)
+        read_dataset(base, "a", a)
+    return misses(base, "a") - before
+
+
+def test_a_reserved_share_keeps_a_jobs_blocks_beside_a_scan(tmp_path: Path) -> None:
+    """Two datasets through one small spoke: A (about 2 MB) reads in a loop, B (2 x 18 MiB,
+    the cache is 16 MiB) scans. With A's min_share its blocks stay resident (no refetch); without
+    it, B's scan evicts them; a reload that brings the share protects A from then on."""
+    a = make_dataset(tmp_path / "a", n_small=20, big_sizes=(), seed=2)
+    b = tmp_path / "b"
+    for i in range(2):  # each part more than the cache
+        make_dataset(b / f"part{i}", n_small=0, big_sizes=(4 << 20,) * 4 + (2 << 20,),
+                     seed=10 + i)
+    rules = tmp_path / "rules.toml"
+    rules.write_text("[datasets.a]\nmin_share = 0.4\n")
+    with hub(a, tmp_path / "hubstate", "--name", "a", "--dataset", f"b={b}") as h:
+        with spoke(h.url, tmp_path / "c1", "16MiB", "--no-prefetch", "--dataset-config",
+                   str(rules)) as s:
+            assert contend(s.url, a, b) == 0
+            doc = status(s.url)["datasets"]
+            held = doc["resident_bytes"]
+            assert held["a"] == sum(p.stat().st_size for p in a.rglob("*") if p.is_file())
+            assert misses(s.url, "b") > 0 and held["b"] > 0
+            row = {r["dataset"]: r for r in doc["shares"]}["a"]
+            assert row["min_bytes"] == int(0.4 * (16 << 20)) and row["in_use"] is True
+            assert row["share"] == "under" and row["resident_bytes"] == held["a"]
+            assert metric(s.url, "spokefs_dataset_reserved_bytes", dataset="a") == \
+                row["min_bytes"]
+            assert metric(s.url, "spokefs_dataset_resident_bytes", dataset="a") == held["a"]
+            assert metric(s.url, "spokefs_dataset_in_use", dataset="a") == 1
+
+        rules.write_text("[datasets.b]\nmax_share = 1\n")  # no reservation
+        with spoke(h.url, tmp_path / "c2", "16MiB", "--no-prefetch", "--dataset-config",
+                   str(rules)) as s:
+            assert contend(s.url, a, b) > 0  # B's scan evicted A's blocks: fetched again
+            assert {r["dataset"]: r for r in status(s.url)["datasets"]["shares"]}["a"][
+                "in_use"] is None
+            rules.write_text("[datasets.a]\nmin_share = 0.4\n")
+            end = time.monotonic() + 20  # read again when it changes
+            while not any(r["min_bytes"] for r in status(s.url)["datasets"]["shares"]):
+                assert time.monotonic() < end, "the changed rules were never read"
+                time.sleep(0.2)
+            assert contend(s.url, a, b) == 0

@@ -7,6 +7,7 @@ stops them, and answers the protocol through them. Each part has one job:
 - ``spoke.reads``: the read path, one way to a block: resident, else just fetched, else
   fetched (``spoke.fetcher``: one fetch per block, many blocks per request);
 - ``spoke.retention``: stale versions, purges, per-dataset rules (deny, time to live, share);
+  ``spoke.fairshare``: reserved shares (``min_share``) in the store's eviction policy;
 - ``spoke.warmup``: warm-ups, their pins, residency and inventory;
 - ``spoke.local``: same-host readers of the cache files (replica workers, mounts);
 - ``spoke.member``: this spoke as a tier member; ``spoke.prefetch``: the planner's driver.
@@ -36,6 +37,7 @@ from spokefs.planner import Planner
 from spokefs.policy import BlockKey, make_policy
 from spokefs.spoke.config import SpokeConfig
 from spokefs.spoke.datasets import DatasetConfig
+from spokefs.spoke.fairshare import FairShares
 from spokefs.spoke.fetcher import Fetcher
 from spokefs.spoke.jobsignal import JobSignal
 from spokefs.spoke.local import SameHost
@@ -110,6 +112,9 @@ class SpokeBackend:
         self.retention = Retention(self.store, self.metadata, self.dataset_rules, self.metrics,
                                    self.audit, self.warmups, stale_after=config.stale_after)
         self.store.admit = self.retention.admit
+        # Reserved shares (min_share): the store's policy wrapped while any is set.
+        self.shares = FairShares(self.store, self.dataset_rules)
+        self.registry.register(self.shares)
         self.counts = Counts(self.metrics)
         self.reads = Reads(self.store, self.fetcher, self.counts, upstream=config.upstream,
                            deadline=config.deadline, read_window=config.read_window,
@@ -289,6 +294,7 @@ class SpokeBackend:
             "cache": {**self.store.stats(), "warm_pinned_bytes": self.warmups.pinned_bytes},
             "datasets": {**self.dataset_rules.describe(),
                          "resident_bytes": dict(sorted(self.store.dataset_bytes.items())),
+                         "shares": self.shares.status(),
                          "hits_misses": {ds: list(hm) for ds, hm
                                          in sorted(c.by_dataset.items())}},
             "hits": c.hits, "misses": c.misses,
