@@ -15,6 +15,8 @@ from servers import hub, make_dataset, metric, spoke
 from spokefs.cache.inspect import blocks_on_disk
 from spokefs.errors import ConfigError
 from spokefs.spoke.datasets import DatasetConfig, parse_rules
+from spokefs.wire.auth import Token
+from spokefs.wire.authz import visible_metrics, visible_status
 
 http = urllib3.PoolManager(retries=False)
 
@@ -63,6 +65,19 @@ def test_reserved_shares_are_checked(tmp_path: Path) -> None:
     f.write_text("[datasets.a]\nmin_share = 0.6\nmax_share = 0.5\n")
     with pytest.raises(ConfigError, match=rf"{f} \[datasets\.a\]: min_share"):
         DatasetConfig(f)  # the file, the table and the key
+
+
+def test_a_token_sees_the_shares_of_its_datasets_only() -> None:
+    rows = [{"dataset": "a", "resident_bytes": 1, "min_bytes": 2},
+            {"dataset": "b", "resident_bytes": 3, "min_bytes": 0}]
+    doc = {"role": "spoke", "datasets": {"shares": rows, "resident_bytes": {"a": 1, "b": 3}}}
+    reader = Token("reader", admin=False, datasets=frozenset({"a"}))
+    seen = visible_status(doc, reader)["datasets"]
+    assert seen["shares"] == rows[:1] and seen["resident_bytes"] == {"a": 1}
+    text = (b'spokefs_dataset_reserved_bytes{dataset="a"} 2.0\n'
+            b'spokefs_dataset_reserved_bytes{dataset="b"} 5.0\n')
+    assert visible_metrics(text, reader) == text.split(b"\n", 1)[0] + b"\n"
+    assert visible_status(doc, Token("ops", admin=True, datasets=None)) == doc
 
 
 def test_deny_leaves_no_byte_in_the_cache(hub_server, dataset: Path, tmp_path: Path) -> None:

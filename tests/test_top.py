@@ -88,6 +88,22 @@ def test_frame_totals_from_status_and_metrics() -> None:
     assert "training job" not in text
 
 
+def test_reserved_shares_get_a_table_where_the_rules_set_them() -> None:
+    rows = [{"dataset": "imagenet", "resident_bytes": 3 << 20, "min_share": 0.5,
+             "max_share": None, "min_bytes": 2 << 20, "max_bytes": None, "in_use": True,
+             "share": "over"},
+            {"dataset": "scratch", "resident_bytes": 0, "min_share": None, "max_share": None,
+             "min_bytes": 0, "max_bytes": None, "in_use": None, "share": "under"}]
+    st = {**STATUS, "datasets": {**STATUS["datasets"], "shares": rows}}
+    doc = frame(sample(st, METRICS, 1000.0))
+    assert doc["shares"] == [{"dataset": "imagenet", "resident_bytes": 3 << 20,
+                              "min_bytes": 2 << 20, "max_bytes": None, "in_use": True,
+                              "share": "over"}]  # no rule for scratch: not shown
+    text = render(doc)
+    assert "reserved" in text and "in use" in text and "over its reservation" in text
+    assert "shares" not in frame(sample(STATUS, METRICS, 1000.0))
+
+
 def test_frame_rates_and_recent_ratio_over_the_last_refresh() -> None:
     before = sample(STATUS, METRICS, 1000.0)
     later = {**STATUS, "hits": 190.0, "misses": 10.0, "upstream_error": "connection refused"}

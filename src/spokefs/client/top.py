@@ -218,6 +218,12 @@ def frame(s: Sample, prev: Sample | None = None) -> dict[str, Any]:
                          "received_bytes": got.get(x["url"], 0.0),
                          "failed_requests": failed.get(x["url"], 0.0)}
                         for x in tier.get("members") or ()]}
+    shares = [r for r in (st.get("datasets") or {}).get("shares") or ()
+              if r.get("min_share") or r.get("max_share")]
+    if shares:  # reserved shares and ceilings (--dataset-config), where the rules set them
+        doc["shares"] = [{k: r.get(k) for k in ("dataset", "resident_bytes", "min_bytes",
+                                                "max_bytes", "in_use", "share")}
+                         for r in shares]
     if st.get("jobs"):  # training-side step reports, where jobs send them
         doc["training"] = [{k: j.get(k) for k in ("dataset", "job", "steps", "data_wait_share",
                                                    "utilisation")} for j in st["jobs"]]
@@ -313,6 +319,14 @@ def render(doc: dict[str, Any], note: str = "") -> str:
                          _size(j["kept_bytes"]), _pct(j["resident_share"]), order])
         lines += ["", table(rows, ["job", "working set", "kept", "kept resident",
                                    "order read"])]
+    if doc.get("shares"):
+        rows = [[r["dataset"], _size(r["resident_bytes"]), _size(r["min_bytes"] or None),
+                 _size(r["max_bytes"]),
+                 "-" if r["in_use"] is None else "in use" if r["in_use"] else "idle",
+                 {"over_max": "over its ceiling", "over": "over its reservation"}.get(
+                     r["share"], "within its reservation")] for r in doc["shares"]]
+        lines += ["", table(rows, ["dataset", "resident", "reserved", "ceiling", "use",
+                                   "share"])]
     if doc.get("tier"):
         tr = doc["tier"]
         copies = (f"copies {_size(tr['copy_bytes'])}" if tr["copies"] else "no copies")
