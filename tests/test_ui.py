@@ -129,7 +129,10 @@ def keep_screenshot(page: Any, tmp_path: Path, name: str) -> Path:
 
 def test_spoke_page_shows_what_metrics_say(browser: Any, ro_hub: ServerProcess,
                                            ro_dataset: Path, tmp_path: Path) -> None:
-    with spoke(ro_hub.url, tmp_path / "cache", "64MiB", *ONE) as s:
+    rules = tmp_path / "rules.toml"  # a reserved share, for the shares table
+    rules.write_text("[datasets.ds]\nmin_share = 0.5\nmax_share = 0.75\n")
+    with spoke(ro_hub.url, tmp_path / "cache", "64MiB", *ONE, "--dataset-config",
+               str(rules)) as s:
         base = s.url
         page = browser.new_page(viewport={"width": 1440, "height": 900})
         errors = watch_errors(page)
@@ -183,6 +186,16 @@ def test_spoke_page_shows_what_metrics_say(browser: Any, ro_hub: ServerProcess,
         wait_value(page, f"{row} .util", job["utilisation"])
         assert page.locator("#verdict-data").get_attribute("data-state") == "bad"
         assert page.inner_text("#verdict-data").startswith("yes")
+
+        # The dataset's share of the cache, as /v1/status says.
+        (share,) = st["datasets"]["shares"]
+        row = '#shares tr[data-dataset="ds"]'
+        wait_value(page, f"{row} .resident", share["resident_bytes"])
+        assert share["resident_bytes"] == m["spokefs_cache_bytes"]
+        assert value(page, f"{row} .reserved") == str(32 << 20) == str(share["min_bytes"])
+        assert value(page, f"{row} .ceiling") == str(48 << 20)
+        assert page.inner_text(f"{row} .use") == "in use"
+        assert page.inner_text(f"{row} .share") == "within its reservation"
 
         # The link: up, and measured as /v1/status says.
         assert value(page, "#link-state") == "up"

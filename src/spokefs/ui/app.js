@@ -167,6 +167,7 @@
       const link = renderLink(status, ur);
       const warm = renderWarm(status, now, ur);
       renderJobs(status, now, link);
+      renderShares(status);
       renderWarmVerdict(warm);
       drawCacheChart();
       drawJobsChart(status);
@@ -399,6 +400,27 @@
                  `${jobs.length} job${jobs.length > 1 ? "s" : ""}; the worst waits ` +
                  `${pct(worst.data_wait_share)} of its step time for data.`);
     }
+  }
+
+  // Reserved shares and ceilings (the spoke's dataset rules): what eviction takes first.
+  const SHARE_TEXT = {over_max: "over its ceiling", over: "over its reservation",
+                      under: "within its reservation"};
+  function renderShares(status) {
+    const rows = [];
+    for (const r of (status.datasets && status.datasets.shares) || []) {
+      if (!r.min_share && !r.max_share) continue;
+      const row = document.createElement("tr");
+      row.dataset.dataset = r.dataset;
+      cell(row, r.dataset, "name");
+      cell(row, bytes(r.resident_bytes), "resident", r.resident_bytes);
+      cell(row, r.min_bytes ? bytes(r.min_bytes) : "–", "reserved", r.min_bytes || null);
+      cell(row, r.max_bytes == null ? "–" : bytes(r.max_bytes), "ceiling", r.max_bytes);
+      cell(row, r.in_use == null ? "–" : r.in_use ? "in use" : "idle", "use",
+           r.in_use == null ? null : r.in_use);
+      cell(row, SHARE_TEXT[r.share] || r.share, "share", r.share);
+      rows.push(row);
+    }
+    fillTable("shares", rows);
   }
 
   function renderDatasets(status) {
