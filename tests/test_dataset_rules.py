@@ -162,6 +162,11 @@ def contend(base: str, a: Path, b: Path) -> int:
     return misses(base, "a") - before
 
 
+# One process (no replica workers: their hits reach the spoke's eviction order a moment later,
+# so which of A and B is least recently used would depend on timing), no prefetch.
+ONE = ("--workers", "1", "--no-prefetch")
+
+
 def test_a_reserved_share_keeps_a_jobs_blocks_beside_a_scan(tmp_path: Path) -> None:
     """Two datasets through one small spoke: A (about 2 MB) reads in a loop, B (2 x 18 MiB,
     the cache is 16 MiB) scans. With A's min_share its blocks stay resident (no refetch); without
@@ -174,7 +179,7 @@ def test_a_reserved_share_keeps_a_jobs_blocks_beside_a_scan(tmp_path: Path) -> N
     rules = tmp_path / "rules.toml"
     rules.write_text("[datasets.a]\nmin_share = 0.4\n")
     with hub(a, tmp_path / "hubstate", "--name", "a", "--dataset", f"b={b}") as h:
-        with spoke(h.url, tmp_path / "c1", "16MiB", "--no-prefetch", "--dataset-config",
+        with spoke(h.url, tmp_path / "c1", "16MiB", *ONE, "--dataset-config",
                    str(rules)) as s:
             assert contend(s.url, a, b) == 0
             doc = status(s.url)["datasets"]
@@ -189,8 +194,8 @@ def test_a_reserved_share_keeps_a_jobs_blocks_beside_a_scan(tmp_path: Path) -> N
             assert metric(s.url, "spokefs_dataset_resident_bytes", dataset="a") == held["a"]
             assert metric(s.url, "spokefs_dataset_in_use", dataset="a") == 1
 
-        rules.write_text("[datasets.b]\nmax_share = 1\n")  # no reservation
-        with spoke(h.url, tmp_path / "c2", "16MiB", "--no-prefetch", "--dataset-config",
+        rules.write_text('[datasets.b]\nttl = "1h"\n')  # no reservation
+        with spoke(h.url, tmp_path / "c2", "16MiB", *ONE, "--dataset-config",
                    str(rules)) as s:
             assert contend(s.url, a, b) > 0  # B's scan evicted A's blocks: fetched again
             assert {r["dataset"]: r for r in status(s.url)["datasets"]["shares"]}["a"][

@@ -673,3 +673,15 @@ def test_a_reserved_working_set_keeps_its_hit_ratio_beside_a_scan(name: str) -> 
     assert alone > 0.98
     assert contention(name, reserve=True) >= 0.95 * alone
     assert contention(name, reserve=False) < 0.5 * alone  # what the reservation is for
+
+
+def test_a_tier_members_copies_still_leave_before_reserved_and_shared_blocks() -> None:
+    p = CopiesFirst(shares(a=Share(min_bytes=2 * MiB)))
+    p.insert(k(0, "a"), MiB)
+    p.insert(k(0, "b"), MiB)
+    p.insert_copy(k(9, "c"), MiB)
+    assert p.victim_for("b") == k(9, "c")  # a copy first, whoever asks
+    p.remove(k(9, "c"))
+    assert p.victim_for("b") == k(0, "b") and p.victim_for("a") == k(0, "b")
+    p.remove(k(0, "b"))
+    assert p.victim_for("b") is None and p.victim_for("a") == k(0, "a")
