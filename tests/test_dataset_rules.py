@@ -13,8 +13,11 @@ import urllib3
 
 from servers import hub, make_dataset, metric, spoke
 from spokefs.cache.inspect import blocks_on_disk
+from spokefs.cache.store import BlockStore
 from spokefs.errors import ConfigError
+from spokefs.policy import CopiesFirst, Shares, make_policy
 from spokefs.spoke.datasets import DatasetConfig, parse_rules
+from spokefs.spoke.fairshare import FairShares
 from spokefs.wire.auth import Token
 from spokefs.wire.authz import visible_metrics, visible_status
 
@@ -206,3 +209,27 @@ def test_a_reserved_share_keeps_a_jobs_blocks_beside_a_scan(tmp_path: Path) -> N
                 assert time.monotonic() < end, "the changed rules were never read"
                 time.sleep(0.2)
             assert contend(s.url, a, b) == 0
+
+
+def test_the_plain_policy_stays_unless_a_share_is_reserved(tmp_path: Path) -> None:
+    """No min_share: the store keeps its policy object itself (nothing added on a hit); the
+    first reservation wraps it, the last one gone gives it back; a tier member's copies
+    stay outside."""
+    rules = tmp_path / "rules.toml"
+    rules.write_text('[datasets.a]\nttl = "1h"\nmax_share = 0.5\n')
+    for copies in (False, True):
+        policy = make_policy("lru", copies=copies)
+        store = BlockStore(tmp_path / "c", 64 << 20, policy)
+        config = DatasetConfig(rules)
+        shares = FairShares(store, config)
+        owned = policy.owned if isinstance(policy, CopiesFirst) else policy
+        assert store.policy is policy and owned.name == "lru" and shares.shares is None
+        rules.write_text("[datasets.a]\nmin_share = 0.25\n")
+        assert config.reload()
+        inner = store.policy.owned if copies else store.policy  # type: ignore[attr-defined]
+        assert isinstance(inner, Shares) and inner.shared is owned and store.policy.name == "lru"
+        assert inner.shares["a"].min_bytes == 16 << 20
+        rules.write_text('[datasets.a]\nttl = "1h"\n')
+        assert config.reload()
+        assert store.policy is policy and (not copies or policy.owned is owned)
+        assert shares.shares is None
