@@ -55,6 +55,10 @@ class Mount:
     def unmount(self) -> bool:
         """Detach lazily; False if it was gone already."""
     def counters(self) -> dict[str, int]: ...
+    def metrics(self) -> tuple[list[float], list[tuple[str, list[int], float]], dict[str, int]]:
+        """One reading for /metrics: the latency buckets' upper bounds in seconds (+Inf left
+        out); per kind of request (lookup, getattr, open, read, readdir) its requests per
+        bucket (not cumulative, the last +Inf) and their total seconds; the counters."""
     def take_logs(self) -> list[tuple[int, str]]:
         """(logging level, message) lines waiting for the owner."""
     def close(self) -> None:

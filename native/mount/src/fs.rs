@@ -15,7 +15,7 @@ use std::os::unix::ffi::OsStrExt;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::mpsc::SyncSender;
 use std::sync::{Arc, Mutex};
-use std::time::{Duration, SystemTime, UNIX_EPOCH};
+use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use fuser::{
     AccessFlags, BsdFileFlags, Errno, FileAttr, FileHandle, FileType, Filesystem, FopenFlags,
@@ -25,6 +25,7 @@ use fuser::{
 };
 
 use crate::events::{Events, Level};
+use crate::latency::{Latency, Op, Timed};
 use crate::pool::Pool;
 use crate::shortcircuit::{ScRead, ShortCircuit};
 use crate::table::{Attr, InodeTable};
@@ -54,6 +55,7 @@ pub struct Core {
     pub pool: Arc<Pool>,
     pub events: Arc<Events>,
     pub counters: Counters,
+    pub latency: Latency,
     pub perms: Perms,
 }
 
@@ -132,8 +134,17 @@ impl SnapshotFs {
     }
 }
 
-/// Answer one read on a worker thread.
-fn serve_read(core: &Core, index: usize, start: u64, end: u64, streaming: bool, reply: ReplyData) {
+/// Answer one read on a worker thread; `t0`: when the request came (its time in the pool's
+/// queue counts: it is the reader's wait).
+fn serve_read(
+    core: &Core,
+    index: usize,
+    start: u64,
+    end: u64,
+    streaming: bool,
+    t0: Instant,
+    reply: ReplyData,
+) {
     let (size, vid, version) = core.table.file(index);
     let len = (end - start) as usize;
     BUF.with(|b| {
@@ -174,6 +185,7 @@ fn serve_read(core: &Core, index: usize, start: u64, end: u64, streaming: bool, 
             }
         }
     });
+    core.latency.record(Op::Read, t0);
 }
 
 impl Filesystem for SnapshotFs {
@@ -193,6 +205,7 @@ impl Filesystem for SnapshotFs {
     }
 
     fn lookup(&self, _req: &Request, parent: INodeNo, name: &OsStr, reply: ReplyEntry) {
+        let _timed = Timed::new(&self.core.latency, Op::Lookup);
         self.core.counters.lookups.fetch_add(1, Ordering::Relaxed);
         let found = std::str::from_utf8(name.as_bytes())
             .ok()
@@ -210,6 +223,7 @@ impl Filesystem for SnapshotFs {
     }
 
     fn getattr(&self, _req: &Request, ino: INodeNo, _fh: Option<FileHandle>, reply: ReplyAttr) {
+        let _timed = Timed::new(&self.core.latency, Op::Getattr);
         match self.attr(ino.0) {
             Some(a) => reply.attr(&CACHE_TIMEOUT, &a),
             None => reply.error(Errno::ENOENT),
@@ -217,6 +231,7 @@ impl Filesystem for SnapshotFs {
     }
 
     fn opendir(&self, _req: &Request, ino: INodeNo, _flags: OpenFlags, reply: ReplyOpen) {
+        let _timed = Timed::new(&self.core.latency, Op::Opendir);
         if self.core.table.is_dir(ino.0) {
             reply.opened(FileHandle(ino.0), FopenFlags::empty());
         } else if self.core.table.file_index(ino.0).is_some() {
@@ -234,6 +249,7 @@ impl Filesystem for SnapshotFs {
         offset: u64,
         mut reply: ReplyDirectory,
     ) {
+        let _timed = Timed::new(&self.core.latency, Op::Readdir);
         let t = &self.core.table;
         let Some(kids) = t.children(ino.0) else {
             reply.error(Errno::ENOTDIR);
@@ -257,6 +273,7 @@ impl Filesystem for SnapshotFs {
         offset: u64,
         mut reply: ReplyDirectoryPlus,
     ) {
+        let _timed = Timed::new(&self.core.latency, Op::Readdir);
         let t = &self.core.table;
         let Some(kids) = t.children(ino.0) else {
             reply.error(Errno::ENOTDIR);
@@ -301,6 +318,7 @@ impl Filesystem for SnapshotFs {
     }
 
     fn open(&self, _req: &Request, ino: INodeNo, flags: OpenFlags, reply: ReplyOpen) {
+        let _timed = Timed::new(&self.core.latency, Op::Open);
         let t = &self.core.table;
         if t.file_index(ino.0).is_none() {
             reply.error(if t.is_dir(ino.0) { Errno::EISDIR } else { Errno::ENOENT });
@@ -325,21 +343,24 @@ impl Filesystem for SnapshotFs {
         _lock_owner: Option<LockOwner>,
         reply: ReplyData,
     ) {
+        let t0 = Instant::now();
         let t = &self.core.table;
         let Some(index) = t.file_index(ino.0) else {
             reply.error(Errno::EBADF);
+            self.core.latency.record(Op::Read, t0);
             return;
         };
         let (file_size, vid, _) = t.file(index);
         if offset >= file_size || size == 0 {
             reply.data(&[]);
+            self.core.latency.record(Op::Read, t0);
             return;
         }
         let end = (offset + size as u64).min(file_size);
         let streaming =
             self.streams.lock().unwrap_or_else(|e| e.into_inner()).observe(vid, offset, end);
         let core = self.core.clone();
-        self.core.pool.submit(move || serve_read(&core, index, offset, end, streaming, reply));
+        self.core.pool.submit(move || serve_read(&core, index, offset, end, streaming, t0, reply));
     }
 
     fn flush(

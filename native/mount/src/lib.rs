@@ -12,7 +12,8 @@
 //!   checked (`spokefs_core::read_checked`), reads reported in batches;
 //! - [`units`]: reads over HTTP ([`http`]), whole units for streams, exact ranges for
 //!   random reads, with in-flight de-duplication and a bounded cache;
-//! - [`mount`]: the lifecycle (start, wait, unmount, counters, logs via [`events`]).
+//! - [`mount`]: the lifecycle (start, wait, unmount, counters, logs via [`events`]);
+//! - [`latency`]: each kind of request's time, as histograms (atomics only).
 //!
 //! One `unsafe` call: mount(2), in [`sysmount`] (its comment says why it is sound).
 #![deny(unsafe_code)]
@@ -21,6 +22,7 @@ pub mod blocks;
 pub mod events;
 pub mod fs;
 pub mod http;
+pub mod latency;
 pub mod mount;
 pub mod pool;
 pub mod shortcircuit;

@@ -22,6 +22,7 @@ use fuser::{MountOption, SessionACL};
 use crate::events::{Events, Level};
 use crate::fs::{Core, Counters, Perms, SnapshotFs};
 use crate::http::{Upstream, UpstreamConfig};
+use crate::latency::{Latency, OpSnapshot};
 use crate::pool::Pool;
 use crate::shortcircuit::{ScConfig, ShortCircuit};
 use crate::sysmount::SysMount;
@@ -235,6 +236,7 @@ impl Mount {
             pool,
             events: events.clone(),
             counters: Counters::default(),
+            latency: Latency::default(),
             perms,
         });
         Ok(Mount {
@@ -424,6 +426,11 @@ impl Mount {
             out.extend([("short_circuit_hits", 0), ("fallbacks", 0)]);
         }
         out
+    }
+
+    /// Each kind of request's latency histogram (`latency::BUCKETS` bounds, then +Inf).
+    pub fn latency(&self) -> Vec<OpSnapshot> {
+        self.core.latency.snapshot()
     }
 
     /// Log lines waiting for the owner (Python's logging levels).

@@ -136,6 +136,19 @@ impl PyMount {
         self.inner.counters().into_iter().collect()
     }
 
+    /// Everything `/metrics` shows, in one call (never one per request): the latency
+    /// buckets' upper bounds in seconds (+Inf left out), each kind of request as (kind,
+    /// requests per bucket, not cumulative, the last +Inf; their total seconds), and the
+    /// counters.
+    #[allow(clippy::type_complexity)]
+    fn metrics(
+        &self,
+    ) -> (Vec<f64>, Vec<(&'static str, Vec<u64>, f64)>, HashMap<&'static str, u64>) {
+        let bounds = (0..spokefs_mount::latency::BUCKETS).map(spokefs_mount::latency::bound_s);
+        let ops = self.inner.latency().into_iter().map(|o| (o.op, o.counts, o.sum_s));
+        (bounds.collect(), ops.collect(), self.inner.counters().into_iter().collect())
+    }
+
     /// Log lines waiting, as (logging level, message), oldest first.
     fn take_logs(&self) -> Vec<(u8, String)> {
         self.inner.take_logs()
