@@ -1,4 +1,5 @@
-"""The hub over a bucket: ``spokefs hub serve s3://bucket/prefix`` (docs/s3.md).
+"""A dataset in an object store: ``spokefs hub serve s3://bucket/prefix`` (or ``gs://``,
+``az://``; docs/object-stores.md).
 
 The objects under the prefix are published as a dataset (keys become paths), through the same
 HTTP API as a directory (``wire/server.py``), so spokes, mounts and clients work unchanged.
@@ -31,36 +32,24 @@ import asyncio
 import hashlib
 import json
 import logging
-import os
-import socket
 import sqlite3
-import time
 from collections.abc import AsyncIterator, Iterable
 from pathlib import Path
-
-from prometheus_client import CollectorRegistry, Counter
+from typing import Any
 
 from spokefs import integrity
-from spokefs.errors import (
-    BadRequest,
-    ConfigError,
-    IntegrityError,
-    NotFound,
-    SpokeError,
-    TooLarge,
-    VersionGone,
-)
-from spokefs.hub.backend import REFRESH_EVERY, RESERVED_NAMES, PublishedSnapshots
-from spokefs.hub.snapshot import (
-    LedgerView,
-    ScanResult,
-    SnapshotInfo,
-    SnapshotLedger,
-    write_transaction,
-)
+from spokefs.errors import BadRequest, IntegrityError, SpokeError, TooLarge, VersionGone
+from spokefs.hub.backend import HubCounters
+from spokefs.hub.snapshot import ScanResult, SnapshotLedger, default_state_dir, write_transaction
 from spokefs.manifest import Manifest
-from spokefs.origin.s3 import BucketUrl, ObjectInfo, S3Origin, parse_bucket_url
-from spokefs.wire.backend import BlockPart, DatasetInfo, ManifestMemo, ReadContext, Segment
+from spokefs.origin.base import (
+    BucketUrl,
+    ObjectInfo,
+    ObjectStoreOrigin,
+    open_store,
+    parse_store_url,
+)
+from spokefs.wire.backend import BlockPart, Segment
 
 log = logging.getLogger(__name__)
 
@@ -70,23 +59,10 @@ READ_AHEAD = 4          # blocks fetched ahead of a plain read's position
 BATCH_BYTES = 64 << 20  # bytes one batch read may hold in memory (see read_blocks)
 FLUSH_AFTER = 0.2       # seconds new digests wait, gathered, before they are written
 
-_SCHEMA = """
-CREATE TABLE IF NOT EXISTS objects (
-    version TEXT PRIMARY KEY, key TEXT, size INTEGER, etag TEXT, version_id TEXT,
-    mtime_ns INTEGER);
-CREATE TABLE IF NOT EXISTS digests (
-    version TEXT, idx INTEGER, digest BLOB, PRIMARY KEY (version, idx)) WITHOUT ROWID;
-CREATE TABLE IF NOT EXISTS snapshots (
-    seq INTEGER PRIMARY KEY AUTOINCREMENT, id TEXT UNIQUE, created REAL, files INTEGER,
-    bytes INTEGER);
-CREATE TABLE IF NOT EXISTS settings (key TEXT PRIMARY KEY, value TEXT);
-"""
-
-
-def version_id(bucket: str, obj: ObjectInfo, block_size: int) -> str:
+def version_id(bucket: str, obj: ObjectInfo, block_size: int, scheme: str = "s3") -> str:
     """The version id of an object as listed (32 hex, the form ``manifest`` requires)."""
     h = hashlib.blake2b(digest_size=16)
-    for part in ("s3", bucket, obj.key, str(obj.size), obj.etag, obj.version_id or "",
+    for part in (scheme, bucket, obj.key, str(obj.size), obj.etag, obj.version_id or "",
                  str(block_size)):
         h.update(part.encode())
         h.update(b"\0")  # no part holds a NUL, so the parts cannot run into each other
@@ -129,10 +105,12 @@ def _clean(path: str) -> bool:
 
 
 class BucketState(SnapshotLedger):
-    """One bucket dataset's memory: listed objects, snapshots, manifests, block digests
+    """An object store dataset's ledger: listed objects, snapshots, manifests, block digests
     (SQLite + manifest files in ``state_dir``)."""
 
-    def __init__(self, url: BucketUrl, origin: S3Origin, state_dir: Path, name: str,
+    kind = "bucket"
+
+    def __init__(self, url: BucketUrl, origin: ObjectStoreOrigin, state_dir: Path, name: str,
                  block_size: int = integrity.DEFAULT_BLOCK_SIZE) -> None:
         super().__init__(state_dir, name, block_size)
         self.url = url
@@ -140,49 +118,21 @@ class BucketState(SnapshotLedger):
         self.root = str(url)  # shown in status, as a directory hub shows its folder
         self.digests: dict[tuple[str, int], bytes] = {}
 
+    def _source_key(self) -> str:
+        return str(self.url)
+
     def open(self) -> BucketState:
-        (self.state_dir / "manifests").mkdir(parents=True, exist_ok=True)
-        db = sqlite3.connect(self.state_dir / "state.sqlite", check_same_thread=False,
-                             isolation_level=None, timeout=30)
-        db.execute("PRAGMA journal_mode=WAL")
-        db.execute("PRAGMA synchronous=NORMAL")
-        db.executescript(_SCHEMA)
-        with self._db_lock:
-            try:
-                with write_transaction(db):
-                    for key, value in (("block_size", str(self.block_size)),
-                                       ("source", str(self.url))):
-                        db.execute("INSERT OR IGNORE INTO settings VALUES (?, ?)", (key, value))
-                    row = db.execute(
-                        "SELECT value FROM settings WHERE key='block_size'").fetchone()
-                    self.block_size = int(row[0])  # digests depend on it: keep the first one
-                    row = db.execute("SELECT value FROM settings WHERE key='source'").fetchone()
-                    if row[0] != str(self.url):
-                        raise ConfigError(f"state folder {self.state_dir} belongs to {row[0]}, "
-                                          f"not {self.url}: give another --state-dir")
-            except BaseException:
-                db.close()
-                raise
-            self._db = db
-            self._load_locked()
+        super().open()
         return self
 
-    def _load_locked(self) -> None:
-        db = self.db
-        db.execute("BEGIN")
-        try:
-            dv = db.execute("PRAGMA data_version").fetchone()[0]
-            snaps = [SnapshotInfo(*r) for r in db.execute(
-                "SELECT id, seq, created, files, bytes FROM snapshots ORDER BY seq")]
-            by_version = {r[0]: ObjectInfo(*r[1:]) for r in db.execute(
-                "SELECT version, key, size, etag, version_id, mtime_ns FROM objects")}
-            digests = {(r[0], r[1]): r[2] for r in db.execute(
-                "SELECT version, idx, digest FROM digests")}
-        finally:
-            db.execute("COMMIT")
+    def _load_rows(self, db: sqlite3.Connection) -> dict[str, Any]:
+        by_version = {r[0]: ObjectInfo(*r[1:]) for r in db.execute(
+            "SELECT version, key, size, etag, version_id, mtime_ns FROM objects")}
+        digests = {(r[0], r[1]): r[2] for r in db.execute(
+            "SELECT version, idx, digest FROM digests")}
         digests.update(self.digests)  # made here and not yet written
         self.digests = digests
-        self._view = LedgerView(snaps, by_version, dv)
+        return by_version
 
     def stored(self, version: str) -> ObjectInfo | None:
         return self._view.by_version.get(version)
@@ -203,7 +153,7 @@ class BucketState(SnapshotLedger):
         versions = []
         for p in paths:
             o = files[p]
-            v = version_id(self.url.bucket, o, self.block_size)
+            v = version_id(self.url.bucket, o, self.block_size, self.url.scheme)
             versions.append(v)
             rows.append((v, o.key, o.size, o.etag, o.version_id, o.mtime_ns))
         m = Manifest(self.name, "", 0.0, self.block_size, paths, [files[p].size for p in paths],
@@ -221,73 +171,37 @@ class BucketState(SnapshotLedger):
 
 
 
-class BucketBackend(PublishedSnapshots):
-    """A bucket dataset as a ``Backend`` (wire/backend.py): whole blocks by conditional
-    ranged GETs, many in flight, one GET per block however many readers want it."""
+class BucketReads:
+    """An object store dataset's blocks (``hub.backend.DatasetReads``): whole blocks by
+    conditional ranged GETs, many in flight, one GET per block however many readers want it,
+    each checked against its recorded digest or recorded now."""
 
-    role = "hub"
-
-    def __init__(self, state: BucketState) -> None:
-        if state.name in RESERVED_NAMES:
-            raise BadRequest(f"dataset name {state.name!r} is reserved; pick another with "
-                             "--name")
+    def __init__(self, counters: HubCounters, state: BucketState) -> None:
         self.st = state
-        self.registry = CollectorRegistry()
-        self._manifests = ManifestMemo()
-        self._scan_lock = asyncio.Lock()
-        self._checked = 0.0
+        self.counters = counters
         self._gets: asyncio.Semaphore | None = None
         self._flying: dict[tuple[str, int], asyncio.Task[memoryview]] = {}
         self._pending: list[tuple[str, int, bytes]] = []
         self._flusher: asyncio.Task[None] | None = None
         self._bound_memo: tuple[str, int, dict[str, object]] | None = None
-        self.gone = Counter("spokefs_hub_versions_gone", "Reads of versions no longer in the "
-                            "bucket as snapshotted", registry=self.registry)
-        self.origin_gets = Counter("spokefs_hub_origin_gets", "Ranged GETs sent to the bucket",
-                                   registry=self.registry)
-        self.origin_bytes = Counter("spokefs_hub_origin_bytes", "Bytes read from the bucket",
-                                    registry=self.registry)
-        self.mismatches = Counter("spokefs_hub_digest_mismatches", "Blocks whose bytes "
-                                  "differed from their recorded digest (not served)",
-                                  registry=self.registry)
 
-    def _state(self, name: str) -> BucketState:
-        if name != self.st.name:
-            raise NotFound(f"no dataset {name!r} on this hub (it has: {self.st.name})")
-        now = time.monotonic()
-        if now - self._checked > REFRESH_EVERY:
-            self._checked = now
-            self.st.refresh()
-        return self.st
-
-    async def datasets(self) -> list[DatasetInfo]:
-        return [await self.dataset(self.st.name)]
-
-    def _ledgers(self) -> list[BucketState]:  # type: ignore[override]
-        return [self.st]  # the bucket itself is asked only by reads (a probe costs no GET)
-
-    async def digests(self, name: str, versions: list[str]) -> dict[str, object]:
-        """A bucket's version ids name a listing, not content (``content_ids`` false): they
-        commit to no digests, so there are none to give."""
-        self._state(name)
-        return dict.fromkeys(versions)
-
-    def _stored(self, name: str, version: str) -> ObjectInfo:
-        st = self._state(name)
-        obj = st.stored(version)
-        if obj is None and st.refresh():
-            obj = st.stored(version)
+    def _stored(self, version: str) -> ObjectInfo:
+        obj = self.st.stored(version)
+        if obj is None and self.st.refresh():
+            obj = self.st.stored(version)
         if obj is None:
-            self.gone.inc()
-            raise VersionGone(f"version {version} of a file in {name!r} is not on this hub; "
-                              "use a newer snapshot")
+            self.counters.gone.inc()
+            raise VersionGone(f"version {version} of a file in {self.st.name!r} is not on this "
+                              "hub; use a newer snapshot")
         return obj
 
-    async def object_size(self, name: str, version: str) -> int:
-        return self._stored(name, version).size
+    async def digests(self, version: str) -> dict[str, object] | None:
+        """A bucket's version ids name a listing, not content (``content_ids`` false): they
+        commit to no digests, so there are none to give."""
+        return None
 
-    async def block_digest(self, name: str, version: str, index: int) -> bytes | None:
-        return self._state(name).digests.get((version, index))
+    async def block_digest(self, version: str, index: int) -> bytes | None:
+        return self.st.digests.get((version, index))
 
     # -- blocks ------------------------------------------------------------------------------
     async def _block(self, version: str, obj: ObjectInfo, index: int) -> memoryview:
@@ -314,13 +228,13 @@ class BucketBackend(PublishedSnapshots):
             self._gets = asyncio.Semaphore(GETS_IN_FLIGHT)
         start, end = integrity.block_span(index, obj.size, self.st.block_size)
         async with self._gets:
-            self.origin_gets.inc()
+            self.counters.origin_gets.inc()
             try:
                 data = await self.st.origin.get(obj, start, end)
             except VersionGone:
-                self.gone.inc()
+                self.counters.gone.inc()
                 raise
-        self.origin_bytes.inc(len(data))
+        self.counters.origin_bytes.inc(len(data))
         digest = integrity.block_digest(data)  # xxh3: ~0.3 ms for 4 MiB, not worth a thread
         known = self.st.digests.get((version, index))
         if known is None:
@@ -329,7 +243,7 @@ class BucketBackend(PublishedSnapshots):
             if self._flusher is None:
                 self._flusher = asyncio.get_running_loop().create_task(self._flush())
         elif known != digest:
-            self.mismatches.inc()
+            self.counters.mismatches.inc()
             log.error("block %d of %r (version %s) read from the bucket differs from its "
                       "recorded digest: not served", index, obj.key, version)
             raise IntegrityError(f"block {index} of version {version} differs from what the "
@@ -348,9 +262,8 @@ class BucketBackend(PublishedSnapshots):
             except sqlite3.Error as exc:  # kept in memory; recomputed after a restart
                 log.warning("could not record %d block digests: %s", len(rows), exc)
 
-    async def read(self, name: str, version: str, start: int, end: int,
-                   ctx: ReadContext | None = None) -> AsyncIterator[Segment]:
-        obj = self._stored(name, version)
+    async def read(self, version: str, start: int, end: int) -> AsyncIterator[Segment]:
+        obj = self._stored(version)
         bs = self.st.block_size
         blocks = integrity.blocks_in_range(start, end, bs)
         ahead: dict[int, asyncio.Task[memoryview]] = {}
@@ -366,8 +279,8 @@ class BucketBackend(PublishedSnapshots):
             for t in ahead.values():
                 t.cancel()
 
-    async def read_blocks(self, name: str, blocks: list[tuple[str, int]]) -> list[BlockPart]:
-        bs = self._state(name).block_size
+    async def read_blocks(self, blocks: list[tuple[str, int]]) -> list[BlockPart]:
+        bs = self.st.block_size
         # A batch is answered from memory (a folder's hub sends from its files): past
         # BATCH_BYTES the rest are error frames, so one request cannot hold gigabytes here.
         # A spoke asks for at most 16 MiB a request.
@@ -375,7 +288,7 @@ class BucketBackend(PublishedSnapshots):
 
         async def one(version: str, index: int) -> BlockPart:
             try:
-                obj = self._stored(name, version)
+                obj = self._stored(version)
                 if index >= integrity.block_count(obj.size, bs):
                     raise BadRequest(f"block {index} of {version} is past the end "
                                      f"({obj.size} bytes)")
@@ -391,19 +304,15 @@ class BucketBackend(PublishedSnapshots):
 
         return list(await asyncio.gather(*(one(v, i) for v, i in blocks)))
 
-    async def create_snapshot(self, name: str) -> dict[str, object]:
-        st = self._state(name)
-        async with self._scan_lock:
-            result = await asyncio.to_thread(st.scan)
-        return {"dataset": name, "new": result.created_new, "files_hashed": 0,
-                **result.snapshot.to_json()}
+    def status(self, snap_id: str | None) -> dict[str, object]:
+        return {"digests": self._bound(snap_id) if snap_id else None}
 
-    async def status(self) -> dict[str, object]:
-        snaps = self.st.snapshots()
-        return {"role": self.role, "datasets": [{
-            "name": self.st.name, "root": self.st.root, "snapshots": len(snaps),
-            "latest": snaps[-1].to_json() if snaps else None,
-            "digests": self._bound(snaps[-1].id) if snaps else None}]}
+    async def close(self) -> None:
+        if self._flusher is not None:  # the digests made so far written, not lost
+            await self._flusher
+        close = getattr(self.st.origin, "close", None)
+        if close is not None:
+            await close()
 
     def _bound(self, snap_id: str) -> dict[str, object]:
         """How much of a snapshot's blocks have their digest recorded: a block without one
@@ -431,7 +340,7 @@ async def hash_all(state: BucketState, snap_id: str, parallel: int = 16) -> tupl
     """Read every block of a snapshot that has no digest yet and record it: (blocks, bytes).
     A block whose bytes differ from a digest already recorded stops it (IntegrityError)."""
     m = Manifest.decode(state.manifest_path(snap_id).read_bytes())
-    backend = BucketBackend(state)
+    reads = BucketReads(HubCounters(), state)
     todo = [(v, i) for v, size in zip(m.versions, m.sizes, strict=True)
             for i in range(integrity.block_count(size, state.block_size))
             if (v, i) not in state.digests]
@@ -442,65 +351,39 @@ async def hash_all(state: BucketState, snap_id: str, parallel: int = 16) -> tupl
         async with sem:
             obj = state.stored(v)
             assert obj is not None
-            data = await backend._block(v, obj, i)
+            data = await reads._block(v, obj, i)
             done[0] += 1
             done[1] += len(data)
 
-    await asyncio.gather(*(one(v, i) for v, i in todo))
-    if backend._flusher is not None:
-        await backend._flusher
+    try:
+        await asyncio.gather(*(one(v, i) for v, i in todo))
+    finally:
+        await reads.close()
     return done[0], done[1]
 
 
-# -- the CLI (hub/cli.py hands s3:// sources here) ----------------------------------------
-def default_state_dir(url: BucketUrl, endpoint: str | None, name: str) -> Path:
-    base = Path(os.environ.get("XDG_STATE_HOME", Path.home() / ".local" / "state"))
-    tag = hashlib.blake2b(f"{endpoint or ''}\0{url}".encode(), digest_size=4).hexdigest()
-    return base / "spokefs" / "hub" / f"{name}-{tag}"
+# -- opening (hub/namespace.py, and ``spokefs hub snapshot`` of a bucket) -----------------
+def state_tag(url: BucketUrl, endpoint: str | None) -> bytes:
+    """What a bucket's default state folder is named after (``default_state_dir``)."""
+    return f"{endpoint or ''}\0{url}".encode()
 
 
-def open_bucket_state(args: argparse.Namespace) -> BucketState:
+def open_bucket(source: str, name: str | None, state_dir: str | Path | None,
+                block_size: int, endpoint: str | None) -> BucketState:
     """Checks the source, the credentials and the bucket before anything else is done."""
     from spokefs.wire.paths import check_dataset_name
 
-    url = parse_bucket_url(args.dir)
-    origin = S3Origin(url, args.endpoint_url)
+    url = parse_store_url(source)
+    origin = open_store(url, endpoint)
     origin.check()
-    name = check_dataset_name(args.name or url.default_name)
-    sdir = (Path(args.state_dir) if args.state_dir
-            else default_state_dir(url, origin.endpoint, name))
-    return BucketState(url, origin, sdir, name, args.block_size).open()
+    name = check_dataset_name(name or url.default_name)
+    sdir = (Path(state_dir) if state_dir
+            else default_state_dir(state_tag(url, origin.endpoint), name))
+    return BucketState(url, origin, sdir, name, block_size).open()
 
 
-def serve_bucket(args: argparse.Namespace) -> int:
-    from spokefs.audit import Audit
-    from spokefs.wire.auth import check_bind
-    from spokefs.wire.authargs import tls_paths
-    from spokefs.wire.run import serve_forever
-    from spokefs.wire.server import build_app
-
-    if getattr(args, "die_with_parent", False):
-        from spokefs.procs import die_with_parent
-
-        die_with_parent()
-    if args.auth is not None:
-        from spokefs.wire.auth import TokenFile
-
-        TokenFile(args.auth)  # a bad token file stops the hub before it lists
-    state = open_bucket_state(args)
-    try:
-        s = state.scan().snapshot
-        print(f"dataset {state.name}: snapshot {s.id} ({s.files} files, {s.bytes} bytes) "
-              f"from {state.url}", flush=True)
-        check_bind(args.host, args.auth, args.insecure, "hub")
-        app = build_app(BucketBackend(state), auth=args.auth, audit=Audit(args.audit_log))
-        fd = getattr(args, "listen_fd", None)
-        sock = None if fd is None else socket.socket(fileno=fd)
-        asyncio.run(serve_forever(app, args.host, args.port, "hub", sock=sock,
-                                  tls=tls_paths(args)))
-    finally:
-        state.close()
-    return 0
+def open_bucket_state(args: argparse.Namespace) -> BucketState:
+    return open_bucket(args.dir, args.name, args.state_dir, args.block_size, args.endpoint_url)
 
 
 def snapshot_bucket(args: argparse.Namespace) -> int:

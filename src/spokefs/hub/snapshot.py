@@ -1,21 +1,23 @@
-"""Building snapshots of a directory tree, remembering the work.
+"""The hub's one ledger of a dataset (``SnapshotLedger``), whatever its origin, and the
+folder's kind of it (``HubState``: snapshots of a directory tree, remembering the work).
 
-The hub's state directory holds an SQLite database and the encoded manifests:
+A state directory holds an SQLite database and the encoded manifests. One schema for every
+origin (a state folder written by any earlier version opens as it was: each table is created
+if missing, columns added since are added, nothing is rewritten):
 
 - ``files``: what the last scan found per path, with the stat identity it was hashed under
   (device, inode, size, mtime, ctime) and its block digests. A rescan re-reads only files
   whose identity changed, so snapshotting a mostly unchanged tree of 100,000 files is a walk
   and some stats. The same table answers "which file holds version V" when a reader asks for
   V's bytes.
+- ``objects``, ``digests``: an object store's listed objects by version id, and the block
+  digests made as blocks are read (``hub/bucket.py``).
 - ``snapshots``: the ordered list of snapshot ids; each id is a digest of the manifest's
   content, so an unchanged tree yields the same id and no new snapshot.
+- ``settings``: the block size the state was built with (digests depend on it: kept), and an
+  object store's URL (a state folder serves the source it was made for).
 
-Nothing outside the root is ever published: symlinks are followed only when their target is a
-file the scan publishes anyway (inside the root), and then the entry is that file's content,
-read from the target. The source tree may be hostile or changing while it is scanned: folders
-and files are opened without following symlinks and checked to be the inode the listing showed,
-only regular files are read (a FIFO or device never blocks a scan), and names that are not valid
-UTF-8 are left out with a warning (a manifest is JSON text: they cannot be published).
+What a folder's walk publishes, and how it treats a hostile tree: ``origin/folder.py``.
 
 A scan holds no lock that reads need: it walks and hashes with its own database connection, then
 commits in one short transaction and swaps what reads use in one assignment.
@@ -24,12 +26,10 @@ commits in one short transaction and swaps what reads use in one assignment.
 from __future__ import annotations
 
 import contextlib
-import errno
 import hashlib
 import logging
 import os
 import sqlite3
-import stat as statmod
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -43,6 +43,15 @@ from spokefs import integrity
 from spokefs.cache.durable import write_durably
 from spokefs.errors import ConfigError, NotFound
 from spokefs.manifest import Manifest
+from spokefs.origin.folder import (  # noqa: F401  (re-exported: the hub's names for them)
+    READ_FLAGS,
+    FolderOrigin,
+    Found,
+    Identity,
+    NotRegularFile,
+    identity,
+    open_regular,
+)
 
 log = logging.getLogger(__name__)
 
@@ -55,72 +64,17 @@ CREATE TABLE IF NOT EXISTS snapshots (
     seq INTEGER PRIMARY KEY AUTOINCREMENT, id TEXT UNIQUE, created REAL, files INTEGER,
     bytes INTEGER);
 CREATE TABLE IF NOT EXISTS settings (key TEXT PRIMARY KEY, value TEXT);
+CREATE TABLE IF NOT EXISTS objects (
+    version TEXT PRIMARY KEY, key TEXT, size INTEGER, etag TEXT, version_id TEXT,
+    mtime_ns INTEGER);
+CREATE TABLE IF NOT EXISTS digests (
+    version TEXT, idx INTEGER, digest BLOB, PRIMARY KEY (version, idx)) WITHOUT ROWID;
 """
 # Columns added since the first format (``ALTER TABLE`` on an older state, see ``open``). A row
 # from before ``dev`` was kept has it NULL: the next scan fills it in without re-hashing.
 _ADDED_COLUMNS = {"dev": "INTEGER", "src": "TEXT"}
 _INSERT_FILE = ("INSERT OR REPLACE INTO files (path, dev, ino, size, mtime_ns, ctime_ns, mode, "
                 "version, digests, src) VALUES (?,?,?,?,?,?,?,?,?,?)")
-
-# Reads of published bytes: never through a symlink, never blocking on open (a FIFO or device
-# swapped over a published file), never inherited by a child process.
-READ_FLAGS = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
-_DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
-
-Identity = tuple[int, int, int, int, int]
-
-
-def identity(s: os.stat_result) -> Identity:
-    """What tells a file's content apart without reading it: device, inode, size, mtime, ctime.
-    ctime cannot be set from user space, so a rewrite that keeps the size and puts the mtime
-    back (``cp -p``, ``rsync -t``) still changes it."""
-    return (s.st_dev, s.st_ino, s.st_size, s.st_mtime_ns, s.st_ctime_ns)
-
-
-class NotRegularFile(OSError):
-    """A published path that now names something other than a regular file."""
-
-
-def _kind(mode: int) -> str:
-    for test, name in ((statmod.S_ISFIFO, "a FIFO"), (statmod.S_ISCHR, "a character device"),
-                       (statmod.S_ISBLK, "a block device"), (statmod.S_ISSOCK, "a socket"),
-                       (statmod.S_ISDIR, "a folder")):
-        if test(mode):
-            return name
-    return "something else"
-
-
-def open_regular(path: str) -> tuple[int, os.stat_result]:
-    """A descriptor of ``path`` and its stat, only if it is a regular file; NotRegularFile for a
-    symlink, FIFO, device, socket or folder. The open cannot block (O_NONBLOCK) and the type is
-    taken from the open descriptor (fstat), so nothing can be swapped in between."""
-    try:
-        fd = os.open(path, READ_FLAGS)
-    except OSError as exc:
-        if exc.errno == errno.ELOOP:  # O_NOFOLLOW met a symlink as the last component
-            raise NotRegularFile("it is a symbolic link") from None
-        raise
-    try:
-        s = os.fstat(fd)
-        if not statmod.S_ISREG(s.st_mode):
-            raise NotRegularFile(f"it is {_kind(s.st_mode)}, not a regular file")
-        os.set_blocking(fd, True)  # no effect on a regular file; restored for plain semantics
-    except BaseException:
-        os.close(fd)
-        raise
-    return fd, s
-
-
-def _is_utf8(name: str) -> bool:
-    """False for a name os.fsdecode gave surrogate escapes (bytes that are not UTF-8)."""
-    if name.isascii():
-        return True
-    try:
-        name.encode("utf-8")
-    except UnicodeEncodeError:
-        return False
-    return True
-
 
 @dataclass(frozen=True, slots=True)
 class SnapshotInfo:
@@ -164,10 +118,6 @@ class LedgerView:
     data_version: int
 
 
-# A file the walk found: its stat, and where its bytes are read from if the path is a symlink.
-Found = tuple[os.stat_result, str | None]
-
-
 @dataclass(frozen=True, slots=True)
 class ScanResult:
     snapshot: SnapshotInfo
@@ -176,11 +126,17 @@ class ScanResult:
     bytes_hashed: int
 
 
-def default_state_dir(root: Path, name: str) -> Path:
+def default_state_dir(source: bytes, name: str) -> Path:
+    """``~/.local/state/spokefs/hub/NAME-TAG``, TAG a digest of the source (a folder's
+    resolved path; an object store's endpoint and URL: ``state_tag``)."""
     base = Path(os.environ.get("XDG_STATE_HOME", Path.home() / ".local" / "state"))
-    # fsencode: the same bytes as str.encode() for a UTF-8 path, and no error for others.
-    tag = hashlib.blake2b(os.fsencode(root.resolve()), digest_size=4).hexdigest()
+    tag = hashlib.blake2b(source, digest_size=4).hexdigest()
     return base / "spokefs" / "hub" / f"{name}-{tag}"
+
+
+def folder_tag(root: Path) -> bytes:
+    # fsencode: the same bytes as str.encode() for a UTF-8 path, and no error for others.
+    return os.fsencode(root.resolve())
 
 
 @contextlib.contextmanager
@@ -198,10 +154,15 @@ def write_transaction(db: sqlite3.Connection) -> Iterator[sqlite3.Connection]:
 
 
 class SnapshotLedger:
-    """What a hub keeps of a dataset in its state folder, whatever the source (a folder:
-    ``HubState``, a bucket: ``hub.bucket.BucketState``): snapshots in SQLite, their
-    manifests as files, and a view of both that reads use. A subclass opens the database,
-    says how to load its view (``_load_locked``) and records snapshots (``_publish``)."""
+    """What a hub keeps of a dataset in its state folder, whatever its origin (a folder:
+    ``HubState``, an object store: ``hub.bucket.BucketState``): snapshots in SQLite, their
+    manifests as files, and a view of both that reads use. One schema and one ``open`` for
+    every kind; a kind says what its rows are (``_load_rows``) and how it scans (``scan``,
+    recording the snapshot with ``_publish``)."""
+
+    kind = ""                 # "folder" or "bucket": what status and a mismatch name
+    content_ids = False       # whether its version ids digest content (DatasetInfo)
+    root: object              # what status shows as the source (a path, a URL)
 
     def __init__(self, state_dir: Path, name: str, block_size: int) -> None:
         self.state_dir = state_dir
@@ -216,6 +177,55 @@ class SnapshotLedger:
         # snapshot``) committed to the state database (``refresh``).
         self._view = LedgerView([], {}, -1)
 
+    # -- lifecycle ---------------------------------------------------------------------------
+    def _source_key(self) -> str | None:
+        """What the state folder is pinned to (an object store's URL), or None (a folder: a
+        state may follow its folder when it moves, as it always could)."""
+        return None
+
+    def _connect(self, check_same_thread: bool = True) -> sqlite3.Connection:
+        db = sqlite3.connect(self.state_dir / "state.sqlite", check_same_thread=check_same_thread,
+                             isolation_level=None, timeout=30)
+        db.execute("PRAGMA synchronous=NORMAL")
+        return db
+
+    def open(self) -> SnapshotLedger:
+        (self.state_dir / "manifests").mkdir(parents=True, exist_ok=True)
+        db = self._connect(check_same_thread=False)
+        db.execute("PRAGMA journal_mode=WAL")
+        db.executescript(_SCHEMA)
+        source = self._source_key()
+        try:
+            with write_transaction(db):  # another process may be upgrading the same state
+                have = {r[1] for r in db.execute("PRAGMA table_info(files)")}
+                for col, kind in _ADDED_COLUMNS.items():
+                    if col not in have:
+                        db.execute(f"ALTER TABLE files ADD COLUMN {col} {kind}")
+                db.execute("INSERT OR IGNORE INTO settings VALUES ('block_size', ?)",
+                           (str(self.block_size),))
+                # Block digests depend on the block size: keep the one the state was built with.
+                self.block_size = int(db.execute(
+                    "SELECT value FROM settings WHERE key='block_size'").fetchone()[0])
+                if source is not None:
+                    db.execute("INSERT OR IGNORE INTO settings VALUES ('source', ?)", (source,))
+                    row = db.execute("SELECT value FROM settings WHERE key='source'").fetchone()
+                    if row[0] != source:
+                        raise ConfigError(f"state folder {self.state_dir} belongs to {row[0]}, "
+                                          f"not {source}: give another --state-dir")
+                    if db.execute("SELECT 1 FROM files LIMIT 1").fetchone() is not None:
+                        raise ConfigError(f"state folder {self.state_dir} belongs to a folder "
+                                          f"dataset, not {source}: give another --state-dir")
+                elif db.execute("SELECT 1 FROM objects LIMIT 1").fetchone() is not None:
+                    raise ConfigError(f"state folder {self.state_dir} belongs to a bucket "
+                                      "dataset, not a folder: give another --state-dir")
+        except BaseException:
+            db.close()
+            raise
+        self._db = db
+        with self._db_lock:
+            self._load_locked()
+        return self
+
     def close(self) -> None:
         if self._db is not None:
             self._db.close()
@@ -227,14 +237,37 @@ class SnapshotLedger:
             raise RuntimeError(f"{type(self).__name__}.open() was not called")
         return self._db
 
-    def _load_locked(self) -> None:
+    def _load_rows(self, db: sqlite3.Connection) -> dict[str, Any]:
+        """version -> what the source holds for it, in the caller's read transaction."""
         raise NotImplementedError
+
+    def _load_locked(self) -> None:
+        """Read what reads use from the database and publish it (caller holds ``_db_lock``)."""
+        db = self.db
+        db.execute("BEGIN")  # snapshots and rows from one commit
+        try:
+            version = db.execute("PRAGMA data_version").fetchone()[0]
+            snaps = [SnapshotInfo(*r) for r in db.execute(
+                "SELECT id, seq, created, files, bytes FROM snapshots ORDER BY seq")]
+            by_version = self._load_rows(db)
+        finally:
+            db.execute("COMMIT")
+        self._view = LedgerView(snaps, by_version, version)
+
+    def stored(self, version: str) -> Any:
+        """What the source holds for ``version`` (a file, an object), None if not known."""
+        return self._view.by_version.get(version)
+
+    def status(self) -> dict[str, object]:
+        snaps = self.snapshots()
+        return {"name": self.name, "root": str(self.root), "snapshots": len(snaps),
+                "latest": snaps[-1].to_json() if snaps else None}
 
     def refresh(self) -> bool:
         """Reload what reads use if another process committed a scan; True if it did. Never
         waits: while a scan in this process commits, it publishes what it wrote itself."""
-        if not self._db_lock.acquire(blocking=False):
-            return False
+        if self._db is None or not self._db_lock.acquire(blocking=False):
+            return False  # closed (a dataset removed from the namespace), or a scan commits
         try:
             version = self.db.execute("PRAGMA data_version").fetchone()[0]
             if version == self._view.data_version:
@@ -303,158 +336,42 @@ class SnapshotLedger:
 
 
 class HubState(SnapshotLedger):
-    """The hub's memory of one dataset: scanned files, snapshots, manifests (SQLite + files)."""
+    """A folder's ledger: scanned files, snapshots, manifests (SQLite + files)."""
+
+    kind = "folder"
+    content_ids = True  # a folder's version ids digest its content (integrity.version_id)
 
     def __init__(self, root: Path, state_dir: Path, name: str,
                  block_size: int = integrity.DEFAULT_BLOCK_SIZE) -> None:
         super().__init__(state_dir, name, block_size)
-        self.root = root.resolve()
+        self.origin = FolderOrigin(root)
+        self.root = self.origin.root
         self._scan_lock = threading.Lock()  # one scan at a time in this process
 
-    # -- lifecycle ---------------------------------------------------------------------------
     def open(self) -> HubState:
-        if not self.root.is_dir():
-            raise ConfigError(f"dataset directory {self.root} does not exist or is not a folder")
-        (self.state_dir / "manifests").mkdir(parents=True, exist_ok=True)
-        db = self._connect(check_same_thread=False)
-        db.execute("PRAGMA journal_mode=WAL")
-        db.executescript(_SCHEMA)
-        try:
-            with write_transaction(db):  # another process may be upgrading the same state
-                have = {r[1] for r in db.execute("PRAGMA table_info(files)")}
-                for col, kind in _ADDED_COLUMNS.items():
-                    if col not in have:
-                        db.execute(f"ALTER TABLE files ADD COLUMN {col} {kind}")
-                row = db.execute("SELECT value FROM settings WHERE key='block_size'").fetchone()
-                if row is None:
-                    db.execute("INSERT INTO settings VALUES ('block_size', ?)",
-                               (str(self.block_size),))
-                elif int(row[0]) != self.block_size:
-                    # Block digests depend on the block size: keep the one the state was
-                    # built with.
-                    self.block_size = int(row[0])
-        except BaseException:
-            db.close()
-            raise
-        self._db = db
-        with self._db_lock:
-            self._load_locked()
+        self.origin.check()
+        super().open()
         return self
 
     def usable(self) -> str | None:
         """The ledger's check, and the dataset's folder still a folder."""
-        if not self.root.is_dir():
-            return "a dataset's folder is gone"
-        return super().usable()
+        return self.origin.usable() or super().usable()
 
-    def _connect(self, check_same_thread: bool = True) -> sqlite3.Connection:
-        db = sqlite3.connect(self.state_dir / "state.sqlite", check_same_thread=check_same_thread,
-                             isolation_level=None, timeout=30)
-        db.execute("PRAGMA synchronous=NORMAL")
-        return db
-
-    # -- queries -----------------------------------------------------------------------------
-    def _load_locked(self) -> None:
-        """Read what reads use from the database and publish it (caller holds ``_db_lock``)."""
-        db = self.db
-        db.execute("BEGIN")  # snapshots and files from one commit
-        try:
-            version = db.execute("PRAGMA data_version").fetchone()[0]
-            snaps = [SnapshotInfo(*r) for r in db.execute(
-                "SELECT id, seq, created, files, bytes FROM snapshots ORDER BY seq")]
-            by_version = {r[0]: StoredFile(*r[1:]) for r in db.execute(
-                "SELECT version, COALESCE(src, path), dev, ino, size, mtime_ns, ctime_ns, "
-                "digests FROM files")}
-        finally:
-            db.execute("COMMIT")
-        self._view = LedgerView(snaps, by_version, version)
+    def _load_rows(self, db: sqlite3.Connection) -> dict[str, Any]:
+        return {r[0]: StoredFile(*r[1:]) for r in db.execute(
+            "SELECT version, COALESCE(src, path), dev, ino, size, mtime_ns, ctime_ns, "
+            "digests FROM files")}
 
     def stored(self, version: str) -> StoredFile | None:
         return self._view.by_version.get(version)
 
     # -- scanning ----------------------------------------------------------------------------
     def _walk(self) -> tuple[dict[str, Found], list[str]]:
-        """Every publishable file (path -> stat of its content, symlink target) and every
-        directory. Each folder is opened without following symlinks and must be the inode its
-        parent listed: a folder swapped for a symlink mid-walk never leads outside the root."""
-        regular: dict[str, os.stat_result] = {}
-        links: dict[str, str] = {}  # symlink path -> its target, relative to the root
-        dirs = [""]
-        stack: list[tuple[str, os.stat_result | None]] = [("", None)]
-        root = str(self.root)
-        while stack:
-            rel, listed = stack.pop()
-            try:
-                fd = os.open(os.path.join(root, rel) if rel else root, _DIR_FLAGS)
-            except OSError as exc:
-                log.warning("skipping unreadable folder %r: %s", rel or ".", exc)
-                continue
-            try:
-                opened = os.fstat(fd)
-                if listed is not None and (opened.st_dev, opened.st_ino) != (listed.st_dev,
-                                                                             listed.st_ino):
-                    log.warning("skipping folder %r: it was replaced while the scan ran", rel)
-                    continue
-                with os.scandir(fd) as it:
-                    for de in it:
-                        path = f"{rel}/{de.name}" if rel else de.name
-                        if not _is_utf8(de.name):
-                            log.warning("skipping %r: its name is not valid UTF-8, so it cannot "
-                                        "be published (rename it to publish it)",
-                                        os.fsencode(path))
-                            continue
-                        try:
-                            if de.is_symlink():
-                                target = os.path.realpath(os.path.join(root, path))
-                                if os.path.commonpath([root, target]) != root or target == root:
-                                    log.warning("skipping %r: symlink points outside the dataset",
-                                                path)
-                                    continue
-                                links[path] = os.path.relpath(target, root)
-                                continue
-                            st = de.stat(follow_symlinks=False)
-                        except OSError as exc:
-                            log.warning("skipping %r: %s", path, exc)
-                            continue
-                        if statmod.S_ISDIR(st.st_mode):
-                            dirs.append(path)
-                            stack.append((path, st))
-                        elif statmod.S_ISREG(st.st_mode):
-                            regular[path] = st
-            finally:
-                os.close(fd)
-        files: dict[str, Found] = {p: (st, None) for p, st in regular.items()}
-        dirset = set(dirs)
-        for path, target in links.items():
-            # Only a file this scan publishes anyway: never a stat or read through the link.
-            st = regular.get(target)
-            if st is not None:
-                files[path] = (st, target)
-            elif target not in dirset:  # symlinked folders are not followed (no cycles)
-                log.warning("skipping %r: its target %r is not a file of this dataset", path,
-                            target)
-        dirs.sort()
-        return files, dirs
+        return self.origin.walk()
 
     def _hash_file(self, path: str, listed: os.stat_result, progress: Callable[[int], object]
                    ) -> tuple[os.stat_result, list[bytes]]:
-        """Block digests of ``path`` (where the bytes are: a symlink's target) and the stat of
-        the open file taken before reading, which is the identity reads are checked against.
-        Only the regular file the walk listed is read (same device and inode)."""
-        fd, st = open_regular(os.path.join(self.root, path))
-        digests = []
-        with open(fd, "rb", buffering=0) as f:
-            if (st.st_dev, st.st_ino) != (listed.st_dev, listed.st_ino):
-                raise OSError(f"{path} was replaced while the scan ran")
-            remaining = st.st_size
-            while remaining > 0:
-                data = f.read(min(self.block_size, remaining))
-                if not data:
-                    raise OSError(f"{path} shrank while it was being read")
-                digests.append(integrity.block_digest(data))
-                remaining -= len(data)
-                progress(len(data))
-        return st, digests
+        return self.origin.hash_file(path, listed, self.block_size, progress)
 
     def scan(self, show_progress: bool = False) -> ScanResult:
         """Walk the tree, hash what changed, and record a snapshot if the content changed.

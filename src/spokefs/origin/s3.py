@@ -23,14 +23,23 @@ from __future__ import annotations
 
 import logging
 import os
-import re
 from collections.abc import Iterator
-from dataclasses import dataclass
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any
-from urllib.parse import urlsplit
 
-from spokefs.errors import ConfigError, UpstreamUnavailable, VersionGone
+from spokefs.errors import ConfigError
+from spokefs.origin.base import (
+    CONNECT_TIMEOUT,
+    REQUEST_TIMEOUT,
+    RETRIES,
+    RETRY_TIMEOUT,
+    BucketUrl,
+    ObjectInfo,
+    ObjectStoreOrigin,
+    check_endpoint,
+    parse_store_url,
+    safe_url,
+)
 
 if TYPE_CHECKING:
     import obstore
@@ -38,86 +47,32 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 SCHEME = "s3://"
-# S3's rules for a bucket name (3-63 of lower-case letters, digits, '.', '-'); '_' and upper
-# case are allowed for old buckets and some compatible stores.
-_BUCKET = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{1,254}")
-CONNECT_TIMEOUT = 5.0   # seconds: a dead endpoint fails fast, the reader's deadline decides
-REQUEST_TIMEOUT = 120.0  # a whole GET of one block, however slow the link
-RETRIES = 3             # the store's own retries of 5xx and dropped connections
-RETRY_TIMEOUT = 10.0    # no retry starts after this (the spoke retries past it, to its deadline)
 # Error codes that mean "these credentials are not accepted here".
 _AUTH_CODES = {"InvalidAccessKeyId", "SignatureDoesNotMatch", "AccessDenied", "403",
                "ExpiredToken", "InvalidToken", "TokenRefreshRequired", "AllAccessDisabled",
                "InvalidClientTokenId", "UnrecognizedClientException", "401"}
+__all__ = ["BucketUrl", "ObjectInfo", "S3Origin", "is_bucket_url", "parse_bucket_url",
+           "resolve_endpoint", "safe_url"]
 
 
 def is_bucket_url(source: str) -> bool:
     return source.startswith(SCHEME)
 
 
-@dataclass(frozen=True, slots=True)
-class BucketUrl:
-    """``s3://bucket/prefix``: ``prefix`` is "" (the whole bucket) or ends with "/", so
-    ``s3://b/train`` holds ``train/x`` but not ``training/x``."""
-
-    bucket: str
-    prefix: str
-
-    def __str__(self) -> str:
-        return f"{SCHEME}{self.bucket}/{self.prefix}"
-
-    @property
-    def default_name(self) -> str:
-        """The dataset's name unless ``--name``: the prefix's last part, else the bucket."""
-        parts = [p for p in self.prefix.split("/") if p]
-        return parts[-1] if parts else self.bucket
-
-
 def parse_bucket_url(source: str) -> BucketUrl:
     if not is_bucket_url(source):
         raise ConfigError(f"{source!r} is not an s3:// URL (s3://BUCKET/PREFIX)")
-    bucket, _, prefix = source[len(SCHEME):].partition("/")
-    if not _BUCKET.fullmatch(bucket):
-        raise ConfigError(f"invalid bucket name {bucket!r} in {source!r}")
-    prefix = prefix.strip("/")
-    return BucketUrl(bucket, f"{prefix}/" if prefix else "")
+    return parse_store_url(source)
 
 
 def resolve_endpoint(endpoint: str | None) -> str | None:
     """``--endpoint-url``, else the AWS tools' variables; None means AWS itself."""
     url = endpoint or os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get(
         "AWS_ENDPOINT_URL") or None
-    if url is None:
-        return None
-    parts = urlsplit(url)
-    if parts.scheme not in ("http", "https") or not parts.hostname:
-        raise ConfigError(f"endpoint {_safe_url(url)!r} is not an http(s) URL")
-    if parts.username or parts.password:
-        raise ConfigError("the endpoint URL carries credentials: give them in the environment "
-                          "or a profile, never in a URL (it would be logged)")
-    return url.rstrip("/")
+    return None if url is None else check_endpoint(url)
 
 
-def _safe_url(url: str) -> str:
-    """A URL fit for a message: any user:password@ part removed."""
-    parts = urlsplit(url)
-    if parts.username or parts.password:
-        return parts._replace(netloc=parts.hostname or "").geturl()
-    return url
-
-
-@dataclass(frozen=True, slots=True)
-class ObjectInfo:
-    """One object as listed: its identity is (key, size, etag[, version_id])."""
-
-    key: str
-    size: int
-    etag: str
-    version_id: str | None
-    mtime_ns: int
-
-
-class S3Origin:
+class S3Origin(ObjectStoreOrigin):
     """A bucket (under a prefix): listing and conditional ranged GETs. Construction checks
     nothing on the network; ``check`` does (credentials, bucket, region)."""
 
@@ -244,49 +199,3 @@ class S3Origin:
                               "retry_timeout": timedelta(seconds=RETRY_TIMEOUT)},
                 **kw)
         return self._store
-
-    async def get(self, obj: ObjectInfo, start: int, end: int) -> memoryview:
-        """Bytes [start, end) of the object as listed, or VersionGone: the GET is conditional
-        (If-Match its ETag, and its VersionId where known), so an object overwritten or
-        deleted since the listing is never read."""
-        import obstore
-        from obstore.exceptions import (
-            BaseError,
-            NotFoundError,
-            PermissionDeniedError,
-            PreconditionError,
-            UnauthenticatedError,
-        )
-
-        opts: dict[str, Any] = {"range": (start, end), "if_match": obj.etag}
-        if obj.version_id is not None:
-            opts["version"] = obj.version_id
-        try:
-            result = await obstore.get_async(self._reader(), obj.key, options=opts)  # type: ignore[arg-type]
-            data = memoryview(await result.bytes_async())
-        except (PreconditionError, NotFoundError):
-            raise VersionGone(f"{obj.key!r} changed or was deleted in the bucket since its "
-                              "snapshot: use a newer snapshot") from None
-        except (PermissionDeniedError, UnauthenticatedError) as exc:
-            log.warning("reading %r from %s: %s", obj.key, self.where, exc)
-            raise UpstreamUnavailable(f"{self.where} refused a read", self.where,
-                                      "access denied") from None
-        except BaseError as exc:
-            log.warning("reading %r from %s: %s", obj.key, self.where, exc)
-            raise UpstreamUnavailable(f"{self.where} did not answer a read", self.where,
-                                      _kind(str(exc))) from None
-        if len(data) != end - start:  # a store that ignored the range: never misplace bytes
-            raise UpstreamUnavailable(f"{self.where} answered {len(data)} bytes for a range of "
-                                      f"{end - start}", self.where, "bad answer")
-        return data
-
-
-def _kind(text: str) -> str:
-    low = text.lower()
-    for needle, kind in (("refused", "connection refused"), ("timed out", "timed out"),
-                         ("timeout", "timed out"), ("reset", "connection reset"),
-                         ("dns", "name not resolved"), ("connect", "cannot connect"),
-                         ("status code: 5", "upstream error")):
-        if needle in low:
-            return kind
-    return "unreachable"
