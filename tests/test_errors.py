@@ -20,7 +20,7 @@ import urllib3
 
 from spokefs import errors as E
 from spokefs.errors import Failure, Transient
-from spokefs.retry import retrying
+from spokefs.retry import UPSTREAM, retrying
 from spokefs.wire.errors import error_for_status, error_for_transport, failure_kind
 from spokefs.wire.http1 import DataClient
 
@@ -124,7 +124,7 @@ def test_retrying_gives_up_with_the_kind_of_the_last_failure() -> None:
         raise Transient("something odd happened", Failure.RESET)  # the text says nothing
 
     with pytest.raises(E.UpstreamUnavailable) as err:
-        asyncio.run(retrying(attempt, 1.0, lambda cause: E.UpstreamUnavailable(
+        asyncio.run(retrying(attempt, UPSTREAM.within(1.0), lambda cause: E.UpstreamUnavailable(
             f"gone: {cause}", "u", cause), now=lambda: clock[0], sleep=sleep))
     assert err.value.kind is Failure.RESET and err.value.errno == errno.ECONNRESET
 

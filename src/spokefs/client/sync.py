@@ -19,7 +19,7 @@ import urllib3
 
 from spokefs.errors import Transient, UpstreamUnavailable
 from spokefs.manifest import Manifest
-from spokefs.retry import backoff_delays
+from spokefs.retry import UPSTREAM
 from spokefs.wire.auth import FROM_ENV, bearer, client_token
 from spokefs.wire.errors import error_for_status, error_for_transport
 from spokefs.wire.headers import H_SNAPSHOT
@@ -39,6 +39,9 @@ def _pool(base: str) -> urllib3.PoolManager:
             tls = client_context() if base.startswith("https:") else None
             pm = _pools[key] = urllib3.PoolManager(num_pools=4, maxsize=32, block=False,
                                                    retries=False, ssl_context=tls)
+            # retries=False: the loops below retry, by spokefs.retry's policy (urllib3's
+            # Retry counts tries; it has no deadline, would retry an untrusted certificate,
+            # and cannot resume a body cut short).
         return pm
 
 
@@ -56,8 +59,8 @@ class Client:
                 ) -> urllib3.BaseHTTPResponse:
         """One request, retried on connection failures until the deadline; an error status
         raises its SpokeError. ``stream``: the body is left to read (then release_conn())."""
-        end = time.monotonic() + self.deadline
-        for delay in backoff_delays():
+        policy, t0 = UPSTREAM.within(self.deadline), time.monotonic()
+        for delay in policy.delays():
             try:
                 resp = _pool(self.base).request(method, f"{self.base}{path}",
                                                 headers={**self._auth, **(headers or {})},
@@ -66,11 +69,11 @@ class Client:
                                                 preload_content=not stream)
             except urllib3.exceptions.HTTPError as exc:
                 err = self._failed(exc)
-                remaining = end - time.monotonic()
-                if remaining <= 0:
+                pause = policy.pause(delay, time.monotonic() - t0)
+                if pause is None:
                     raise UpstreamUnavailable(f"{self.base} unreachable for {self.deadline:g}s: "
                                               f"{err}", self.base, str(err), err.kind) from exc
-                time.sleep(min(delay, remaining))  # one last try at the deadline
+                time.sleep(pause)  # one last try at the deadline
                 continue
             if resp.status >= 400:
                 # The server's own answer: it retried its upstream itself, so 5xx are final.
@@ -117,8 +120,8 @@ class Client:
         # The snapshot read from: a spoke keeps its files while readers name it.
         named = {H_SNAPSHOT: snapshot} if snapshot else {}
         out = bytearray()
-        give_up = time.monotonic() + self.deadline
-        for delay in backoff_delays():
+        policy, t0 = UPSTREAM.within(self.deadline), time.monotonic()
+        for delay in policy.delays():
             had = len(out)
             resp = self.request("GET", path, {"Range": f"bytes={start + had}-{end - 1}",
                                               **named}, stream=True)
@@ -133,10 +136,10 @@ class Client:
             if start + len(out) >= end:
                 return bytes(out)
             if len(out) == had:  # no progress: back off, and not past the deadline
-                remaining = give_up - time.monotonic()
-                if remaining <= 0:
+                pause = policy.pause(delay, time.monotonic() - t0)
+                if pause is None:
                     raise UpstreamUnavailable(f"{self.base} cut every answer short for "
                                               f"{self.deadline:g}s: {err}", self.base, str(err),
                                               err.kind)
-                time.sleep(min(delay, remaining))
+                time.sleep(pause)
         raise AssertionError("unreachable")

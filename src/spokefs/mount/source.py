@@ -32,7 +32,7 @@ from spokefs.errors import (
     UpstreamUnavailable,
 )
 from spokefs.manifest import Manifest
-from spokefs.retry import retrying
+from spokefs.retry import NEAR, retrying
 from spokefs.wire.backend import FileSegment
 from spokefs.wire.client import UpstreamClient
 from spokefs.wire.headers import H_INTERNAL, H_SNAPSHOT
@@ -96,7 +96,7 @@ async def retry_until(deadline: float, what: str, attempt: Callable[[], Awaitabl
     """Run ``attempt`` until it succeeds, retrying ``Transient`` with backoff; each attempt
     and the whole run are bounded by ``deadline`` seconds, then ``ReadFailed``."""
     return await retrying(
-        attempt, deadline, bound_attempts=True, first=0.02, cap=0.5, now=now, sleep=sleep,
+        attempt, NEAR.within(deadline), bound_attempts=True, now=now, sleep=sleep,
         give_up=lambda cause: ReadFailed(f"{what}: upstream unavailable for {deadline:g}s "
                                          f"({cause})"))
 

@@ -52,7 +52,7 @@ from spokefs.errors import (
 from spokefs.linkmodel import LinkModel
 from spokefs.manifest import MAX_BLOCK_SIZE
 from spokefs.policy import BlockKey
-from spokefs.retry import backoff_delays
+from spokefs.retry import UPSTREAM
 from spokefs.spoke.commitments import Commitments
 from spokefs.spoke.fetchqueue import QUEUED, Batch, Entry, FetchQueue
 from spokefs.spoke.metrics import SpokeMetrics
@@ -758,12 +758,13 @@ class Fetcher:
         """Try again after a pause (each fetch's own backoff; together, so the blocks of a
         failed request go out again in one request); past a fetch's deadline it fails."""
         now = time.monotonic()
+        policy = UPSTREAM.within(self.deadline)
         again, delay = [], 0.0
         for f in fetches:
             if f.delays is None:
-                f.delays = backoff_delays()
-            left = f.started + self.deadline - now
-            if left <= 0:
+                f.delays = policy.delays()
+            pause = policy.pause(next(f.delays), now - f.started)
+            if pause is None:
                 self._log_deadline(now, cause)
                 self._end(f, error=UpstreamUnavailable(
                     f"upstream {self.upstream} unreachable for {self.deadline:g}s while "
@@ -771,7 +772,7 @@ class Fetcher:
                     self.upstream, cause))
                 continue
             # Held out of the queue until the pause is over (one last try at the deadline).
-            delay = max(delay, min(next(f.delays), left))
+            delay = max(delay, pause)
             again.append(f)
         if again:
             asyncio.get_running_loop().call_later(delay, self._requeue_all, again)

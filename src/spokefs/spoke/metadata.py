@@ -24,7 +24,7 @@ from spokefs.cache.store import BlockStore
 from spokefs.errors import BadUpstream, NotFound, SpokeError, Transient, UpstreamUnavailable
 from spokefs.integrity import DEFAULT_BLOCK_SIZE
 from spokefs.manifest import Manifest, is_snapshot_id
-from spokefs.retry import retrying
+from spokefs.retry import UPSTREAM, retrying
 from spokefs.spoke.commitments import Commitments
 from spokefs.spoke.metrics import SpokeMetrics
 from spokefs.tasks import Tasks
@@ -73,7 +73,7 @@ class Metadata:
 
         up, dl = self.upstream_url, self.deadline
         result = await retrying(
-            lambda: fn(*args), dl, on_transient=failed,
+            lambda: fn(*args), UPSTREAM.within(dl), on_transient=failed,
             give_up=lambda cause: UpstreamUnavailable(
                 f"upstream {up} unreachable for {dl:g}s while fetching {what}: {cause}",
                 up, cause))

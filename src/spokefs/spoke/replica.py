@@ -42,7 +42,7 @@ from spokefs.errors import (
 from spokefs.integrity import DEFAULT_BLOCK_SIZE, blocks_in_range
 from spokefs.manifest import Manifest
 from spokefs.policy import BlockKey
-from spokefs.retry import retrying
+from spokefs.retry import NEAR, retrying
 from spokefs.tasks import Tasks
 from spokefs.wire.backend import (
     BlockPart,
@@ -155,7 +155,7 @@ class ReplicaBackend:
     async def _call(self, what: str, fn: Any, *args: Any) -> Any:
         """A request to the primary, retried while it restarts, up to the deadline."""
         return await retrying(
-            lambda: fn(*args), self.deadline, first=0.02, cap=0.5,
+            lambda: fn(*args), NEAR.within(self.deadline),
             give_up=lambda cause: UpstreamUnavailable(
                 f"the spoke's primary worker did not answer for {self.deadline:g}s ({what}): "
                 f"{cause}", "primary worker", cause))

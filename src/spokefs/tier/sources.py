@@ -353,9 +353,10 @@ class KubernetesMembers:
     # -- the loop -----------------------------------------------------------------------------
 
     def _run(self) -> None:
-        from spokefs.retry import backoff_delays
+        from spokefs.retry import forever
 
-        pauses = backoff_delays(self.backoff_first, self.backoff_cap)
+        policy = forever(self.backoff_first, self.backoff_cap)
+        pauses = policy.delays()
         while not self._stop.is_set():
             client: Client | None = None
             try:
@@ -363,7 +364,7 @@ class KubernetesMembers:
                 namespace = self.namespace or client.namespace
                 items, version = _list(client, self.service, namespace)
                 self._replace(items, namespace)
-                pauses = backoff_delays(self.backoff_first, self.backoff_cap)
+                pauses = policy.delays()
                 self._watch(client, namespace, version)
             except Exception as exc:  # whatever the API or the network did: never end
                 if _status(exc) == 410:  # expired: events in between are lost; list again
