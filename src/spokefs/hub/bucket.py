@@ -1,5 +1,5 @@
 """A dataset in an object store: ``spokefs hub serve s3://bucket/prefix`` (or ``gs://``,
-``az://``; docs/object-stores.md).
+``az://``; docs/s3.md).
 
 The objects under the prefix are published as a dataset (keys become paths), through the same
 HTTP API as a directory (``wire/server.py``), so spokes, mounts and clients work unchanged.

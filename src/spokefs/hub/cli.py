@@ -22,7 +22,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     def common(p: argparse.ArgumentParser, optional: bool = False) -> None:
         p.add_argument("dir", metavar="DIR", nargs="?" if optional else None,
                        help="the dataset's folder, or s3://, gs://, az:// BUCKET/PREFIX "
-                       "(docs/object-stores.md)")
+                       "(docs/s3.md)")
         p.add_argument("--name", help="dataset name (default: the folder's name, or the "
                        "prefix's last part)")
         p.add_argument("--endpoint-url", help="an object store's endpoint (default: "
