@@ -212,6 +212,8 @@ ENV_VARS: dict[str, str] = {
                            "when `--endpoint-url` is not given (then `AWS_ENDPOINT_URL`); the "
                            "credentials come from boto3's usual chain (docs/s3.md)",
     "AWS_ENDPOINT_URL": "as `AWS_ENDPOINT_URL_S3`, for every AWS service",
+    "STORAGE_EMULATOR_HOST": "a GCS emulator's address for `gs://` hubs when `--endpoint-url` "
+                             "is not given (requests then carry no token; docs/s3.md)",
     "XDG_STATE_HOME": "where default state folders go (hub snapshots, mount logs): "
                       "`$XDG_STATE_HOME/spokefs`, else `~/.local/state/spokefs`",
     "KUBERNETES_SERVICE_HOST": "set by Kubernetes in every pod: `--tier-kubernetes` reads the "
@@ -472,7 +474,8 @@ def metrics_in_source() -> list[MetricDoc]:
             mod = str(path.relative_to(SRC.parent))
             doc = MetricDoc(name, KINDS[fn], help_, labels, mod)
             if name in found:  # one name in two modules (the folder and the bucket hub)
-                found[name].module += f", {mod}"
+                if mod not in found[name].module.split(", "):  # or twice in one (the engines)
+                    found[name].module += f", {mod}"
             else:
                 found[name] = doc
     return sorted(found.values(), key=lambda m: m.name)
@@ -492,7 +495,8 @@ def _exported_by(modules: str) -> str:
 def metrics_page() -> str:
     lines = [HEADER, "# Prometheus metrics", "",
              "Every metric the hub and the spoke export at `/metrics` (Prometheus text "
-             "format; the same token as `/v1/status`), found in the source's metric "
+             "format; the same token as `/v1/status`), and a mount at its own opt-in "
+             "`--metrics-port` (no token; docs/mount.md), found in the source's metric "
              "definitions. A counter's samples end in `_total`; a histogram's in `_bucket`, "
              "`_sum` and `_count`. docs/operations.md says which to watch; "
              "deploy/grafana/spokefs.json and the chart's PrometheusRule use them.", "",

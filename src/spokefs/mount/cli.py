@@ -89,6 +89,13 @@ def register(sub: argparse._SubParsersAction) -> None:
     m.add_argument("--log-file", type=Path,
                    help="where a background mount logs (default "
                    "~/.local/state/spokefs/mount/NAME-HASH.log)")
+    m.add_argument("--metrics-port", type=int, metavar="PORT",
+                   help="serve the mount's own Prometheus metrics (EIO count, FUSE request "
+                   "latency by kind) at http://ADDR:PORT/metrics; off by default; 0 picks a "
+                   "free port, which the ready line names")
+    m.add_argument("--metrics-addr", default="127.0.0.1", metavar="ADDR",
+                   help="the address --metrics-port listens on (default 127.0.0.1: this "
+                   "host only; the endpoint asks for no token)")
     m.add_argument("--ready-fd", type=int, help=argparse.SUPPRESS)  # set by the daemoniser
     m.set_defaults(func=functools.partial(_mount, m))
 
@@ -109,6 +116,8 @@ def _mount(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
         raise ConfigError("--cache-dir and --cache-size go together (embedded cache)")
     if args.deadline <= 0:
         raise ConfigError("--deadline must be positive")
+    if args.metrics_port is not None and not 0 <= args.metrics_port <= 65535:
+        raise ConfigError(f"--metrics-port {args.metrics_port}: a port is 0 to 65535")
     opts = MountOptions(url=args.url, mountpoint=args.mountpoint, cache_dir=args.cache_dir,
                         cache_size=args.cache_size or 0, deadline=args.deadline,
                         allow_other=args.allow_other,
@@ -116,7 +125,8 @@ def _mount(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
                         short_circuit=not args.no_short_circuit,
                         spoke_cache=args.spoke_cache, engine=args.engine, uid=args.uid,
                         gid=args.gid, file_mode=args.file_mode, dir_mode=args.dir_mode,
-                        extra_options=tuple(extra))
+                        extra_options=tuple(extra), metrics_port=args.metrics_port,
+                        metrics_addr=args.metrics_addr)
     if not args.foreground:
         return _daemonise(args)
     return _foreground(opts, args.ready_fd)

@@ -25,6 +25,8 @@ from typing import TYPE_CHECKING
 from spokefs.errors import ConfigError
 from spokefs.manifest import Manifest
 from spokefs.mount import sysfs
+from spokefs.mount.metrics import ready_note
+from spokefs.mount.metrics import serve_native as metrics_endpoint
 from spokefs.mount.source import Target, UpstreamSource
 from spokefs.units import format_size
 from spokefs.wire.auth import client_token
@@ -104,9 +106,13 @@ async def serve_native(opts: MountOptions, mountpoint: Path, source: UpstreamSou
     dataset, snapshot = m.dataset, m.snapshot
     del m, manifest
     await source.close()  # the setup's HTTP clients; the daemon has its own
+    metrics = metrics_endpoint(mount, str(mountpoint), f"{dataset}@{snapshot}",
+                               opts.metrics_addr, opts.metrics_port)
     try:
         await asyncio.to_thread(mount.start)
     except ConfigError as exc:
+        if metrics is not None:
+            metrics.close()
         raise ConfigError(f"{exc} (is /dev/fuse usable and fusermount3 installed?)") from exc
     loop = asyncio.get_running_loop()
     stopping = False
@@ -132,7 +138,8 @@ async def serve_native(opts: MountOptions, mountpoint: Path, source: UpstreamSou
         ra = sysfs.set_read_ahead_kb(mountpoint, opts.read_ahead_kb)
         on_ready(f"spokefs mount ready: {dataset}@{snapshot} at {mountpoint} "
                  f"({mount.file_count} files, {format_size(mount.total_bytes)}, engine=native, "
-                 f"read_ahead_kb={ra if ra is not None else 'unchanged'})")
+                 f"read_ahead_kb={ra if ra is not None else 'unchanged'}"
+                 f"{ready_note(metrics)})")
         while not await asyncio.to_thread(mount.wait, WAIT_STEP):
             _drain(mount)
     finally:
@@ -145,6 +152,8 @@ async def serve_native(opts: MountOptions, mountpoint: Path, source: UpstreamSou
                 log.error("%s", exc)
         await asyncio.to_thread(mount.close)
         _drain(mount)
+        if metrics is not None:
+            metrics.close()
         c = mount.counters()
         log.info("unmounted %s: %d reads, %s, %d failed (native: %d from the spoke's cache "
                  "files, %d over HTTP, %d short-circuit fallbacks)", mountpoint, c["reads"],

@@ -23,6 +23,7 @@ from spokefs.errors import ConfigError, ReadFailed, UpstreamUnavailable
 from spokefs.mount import sysfs
 from spokefs.mount.coalesce import Coalescer
 from spokefs.mount.inodes import InodeTable, Perms
+from spokefs.mount.metrics import ready_note, serve_python
 from spokefs.mount.native import choose, serve_native
 from spokefs.mount.process import unmount
 from spokefs.mount.source import EmbeddedSource, Source, Target, UpstreamSource
@@ -55,6 +56,8 @@ class MountOptions:
     file_mode: int | None = None       # None: each file's own bits from the snapshot
     dir_mode: int | None = None        # None: 0o555
     extra_options: tuple[str, ...] = ()  # more kernel options (-o noexec)
+    metrics_port: int | None = None    # serve the mount's /metrics here (0: any free port)
+    metrics_addr: str = "127.0.0.1"
 
 
 def perms(opts: MountOptions) -> Perms:
@@ -151,9 +154,13 @@ async def _serve_fuse(opts: MountOptions, mountpoint: Path, ops: SnapshotFS,
     import pyfuse3
 
     loop = asyncio.get_running_loop()
+    what = f"{ops.table.dataset}@{ops.table.snapshot}"
+    metrics = serve_python(ops, str(mountpoint), what, opts.metrics_addr, opts.metrics_port)
     try:
         pyfuse3.init(ops, str(mountpoint), fuse_options(opts))
     except RuntimeError as exc:  # libfuse printed the reason on stderr
+        if metrics is not None:
+            metrics.close()
         raise ConfigError(f"cannot mount at {mountpoint}: {exc} (see the fuse message above; "
                           "is /dev/fuse usable and fusermount3 installed?)") from exc
     try:
@@ -195,13 +202,16 @@ async def _serve_fuse(opts: MountOptions, mountpoint: Path, ops: SnapshotFS,
             t = ops.table
             on_ready(f"spokefs mount ready: {t.dataset}@{t.snapshot} at {mountpoint} "
                      f"({t.file_count} files, {format_size(t.total_bytes)}, engine=python, "
-                     f"read_ahead_kb={ra if ra is not None else 'unchanged'})")
+                     f"read_ahead_kb={ra if ra is not None else 'unchanged'}"
+                     f"{ready_note(metrics)})")
         await main
     finally:
         for sig in (signal.SIGINT, signal.SIGTERM):
             loop.remove_signal_handler(sig)
         # libfuse detaches lazily as root (MNT_DETACH), so busy readers cannot block this.
         pyfuse3.close(unmount=True)
+        if metrics is not None:
+            metrics.close()
         c = ops.counters
         log.info("unmounted %s: %d reads, %s, %d failed", mountpoint, c.reads,
                  format_size(c.read_bytes), c.read_errors)
