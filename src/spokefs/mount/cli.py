@@ -31,17 +31,20 @@ def register(sub: argparse._SubParsersAction) -> None:
         "the spoke or hub in the URL, or through a cache inside this process with "
         "--cache-dir. Without --foreground the command returns once the mount works. "
         "/etc/fstab and `mount -t fuse.spokefs URL DIR` run it through mount.fuse.spokefs "
-        "(docs/mount.md).",
+        "(docs/mount.md). A URL without a dataset mounts the namespace: a folder per "
+        "dataset the token may read, each pinned to its latest snapshot when first entered.",
         epilog="examples:\n"
         "  spokefs mount http://127.0.0.1:8471/imagenet /mnt/imagenet\n"
         "  spokefs mount http://hub:8470/imagenet@3fa9c1d20b7e /mnt/in --cache-dir /nvme/c "
         "--cache-size 500GiB\n"
         "  spokefs mount http://spoke:8471/imagenet /mnt/in -o allow_other,uid=1000,"
         "file_mode=0440\n"
+        "  spokefs mount http://spoke:8471/ /mnt/data --pin imagenet@3fa9c1d20b7e\n"
         "  spokefs umount /mnt/imagenet",
         formatter_class=argparse.RawDescriptionHelpFormatter)
     m.add_argument("url", metavar="URL",
-                   help="http://HOST:PORT/DATASET[@SNAPSHOT] on a spoke (usual) or a hub")
+                   help="http://HOST:PORT/DATASET[@SNAPSHOT] on a spoke (usual) or a hub; "
+                   "http://HOST:PORT/ mounts every dataset the token may read, each a folder")
     m.add_argument("mountpoint", metavar="MOUNTPOINT", type=Path,
                    help="an existing empty folder")
     m.add_argument("--cache-dir", type=Path,
@@ -82,6 +85,10 @@ def register(sub: argparse._SubParsersAction) -> None:
                    "gid=N, file_mode=M, dir_mode=M, noexec; any option above as key=value "
                    "(deadline=60s, engine=python, no_short_circuit); fstab's own (defaults, "
                    "rw, auto, noauto, user, nofail, _netdev, x-*) are ignored")
+    m.add_argument("--pin", action="append", metavar="DATASET@SNAPSHOT",
+                   help="a namespace mount (URL without a dataset): show DATASET at this "
+                   "snapshot (repeat for more; else each is pinned to its latest when its "
+                   "folder is first entered, for as long as the mount lives)")
     m.add_argument("--engine", choices=("auto", "native", "python"), default="auto",
                    help="what serves the mount: native (a Rust FUSE daemon; plain http, no "
                    "--cache-dir), python (pyfuse3; everything), or auto (native when it can, "
@@ -125,8 +132,20 @@ def _mount(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
                         short_circuit=not args.no_short_circuit,
                         spoke_cache=args.spoke_cache, engine=args.engine, uid=args.uid,
                         gid=args.gid, file_mode=args.file_mode, dir_mode=args.dir_mode,
-                        extra_options=tuple(extra), metrics_port=args.metrics_port,
-                        metrics_addr=args.metrics_addr)
+                        extra_options=tuple(extra), pins=tuple(args.pin or ()),
+                        metrics_port=args.metrics_port, metrics_addr=args.metrics_addr)
+    from spokefs.mount.source import Target
+
+    if opts.cache_dir is not None and Target.parse(opts.url).namespace:
+        raise ConfigError("--cache-dir embeds the cache of one dataset; name it in the URL "
+                          "(http://HOST:PORT/DATASET), or mount the namespace of a spoke")
+    if opts.pins and not Target.parse(opts.url).namespace:
+        raise ConfigError("--pin is for a namespace mount (a URL without a dataset); name "
+                          "the snapshot in the URL instead: http://HOST:PORT/DATASET@SNAPSHOT")
+    if opts.pins:
+        from spokefs.mount.run import parse_pins
+
+        parse_pins(opts.pins)  # a bad pin fails here, before a background mount starts
     if not args.foreground:
         return _daemonise(args)
     return _foreground(opts, args.ready_fd)

@@ -62,9 +62,12 @@ def choose(opts: MountOptions) -> str:
         log.info("engine: python (asked for)")
         return "python"
     why = None
+    target = Target.parse(opts.url)
     if opts.cache_dir is not None:
         why = "an embedded cache (--cache-dir) runs in the python engine only"
-    elif Target.parse(opts.url).base.startswith("https://"):
+    elif target.namespace:
+        why = "a namespace mount (a URL without a dataset) runs in the python engine only"
+    elif target.base.startswith("https://"):
         why = "the native engine reads plain http only (no TLS yet)"
     else:
         why = unavailable()

@@ -26,8 +26,10 @@ from spokefs.mount.inodes import InodeTable, Perms
 from spokefs.mount.metrics import ready_note, serve_python
 from spokefs.mount.native import choose, serve_native
 from spokefs.mount.process import unmount
-from spokefs.mount.source import EmbeddedSource, Source, Target, UpstreamSource
+from spokefs.mount.source import EmbeddedSource, Source, Target, UpstreamSource, retry_until
 from spokefs.units import format_size
+from spokefs.wire.client import UpstreamClient
+from spokefs.wire.paths import split_dataset_ref
 
 if TYPE_CHECKING:
     from spokefs.mount.fs import SnapshotFS
@@ -58,6 +60,7 @@ class MountOptions:
     extra_options: tuple[str, ...] = ()  # more kernel options (-o noexec)
     metrics_port: int | None = None    # serve the mount's /metrics here (0: any free port)
     metrics_addr: str = "127.0.0.1"
+    pins: tuple[str, ...] = ()         # a namespace mount's DATASET@SNAPSHOT pins
 
 
 def perms(opts: MountOptions) -> Perms:
@@ -112,6 +115,9 @@ async def serve(opts: MountOptions, on_ready: Callable[[str], None]) -> None:
     mountpoint = opts.mountpoint.absolute()
     clear_stale(mountpoint)
     engine = choose(opts)
+    if Target.parse(opts.url).namespace:
+        await _serve_namespace(opts, mountpoint, on_ready)
+        return
     source = make_source(opts)
     try:
         t0 = time.monotonic()
@@ -142,19 +148,91 @@ async def serve(opts: MountOptions, on_ready: Callable[[str], None]) -> None:
         reader = Coalescer(source.read_into, min(table.block_size, FETCH_UNIT))
         try:
             await _serve_fuse(opts, mountpoint, SnapshotFS(table, reader, perms(opts)),
-                              on_ready)
+                              on_ready, f"{table.dataset}@{table.snapshot}",
+                              f"{table.file_count} files, {format_size(table.total_bytes)}, ")
         finally:
             await reader.close()
     finally:
         await source.close()
 
 
+async def _serve_namespace(opts: MountOptions, mountpoint: Path,
+                           on_ready: Callable[[str], None]) -> None:
+    """A mount of every dataset the upstream lists (``mount/namespace.py``): each member a
+    source of its own, made when its folder is first entered and closed at unmount."""
+    import pyfuse3.asyncio
+
+    from spokefs.mount.namespace import Member, NamespaceFS, NamespaceTable
+
+    target = Target.parse(opts.url)
+    pins = parse_pins(opts.pins)
+    client = UpstreamClient(target.base, max_connections=4,
+                            request_timeout=max(opts.deadline, 1.0))
+    sources: list[tuple[UpstreamSource, Coalescer]] = []
+
+    async def list_datasets() -> list[str]:
+        doc = await retry_until(opts.deadline, f"the datasets of {target.base}",
+                                lambda: client.get_json("/v1/datasets"))
+        return [str(d["name"]) for d in doc.get("datasets", [])]
+
+    async def load(m: Member) -> tuple[InodeTable, Coalescer]:
+        source = UpstreamSource(Target(target.base, m.dataset, m.snapshot), opts.deadline,
+                                short_circuit=opts.short_circuit, spoke_cache=opts.spoke_cache)
+        try:
+            manifest = await source.open()
+        except BaseException:
+            await source.close()
+            raise
+        table = InodeTable(manifest)
+        reader = Coalescer(source.read_into, min(table.block_size, FETCH_UNIT))
+        sources.append((source, reader))
+        return table, reader
+
+    try:
+        try:
+            names = await list_datasets()
+        except ReadFailed as exc:
+            raise UpstreamUnavailable(f"cannot mount {target}: {exc}", target.base,
+                                      str(exc)) from exc
+        unknown = sorted(set(pins) - set(names))
+        if unknown:
+            raise ConfigError(f"--pin names datasets {target.base} does not list to this "
+                              f"token: {', '.join(unknown)}")
+        table = NamespaceTable(time.time_ns(), pins)
+        table.set_listing(names, time.monotonic())
+        log.info("namespace %s: %d datasets%s", target, len(names),
+                 f", pinned: {', '.join(f'{d}@{s}' for d, s in sorted(pins.items()))}"
+                 if pins else "")
+        pyfuse3.asyncio.enable()
+        ops = NamespaceFS(table, load, list_datasets, perms(opts))
+        await _serve_fuse(opts, mountpoint, ops, on_ready, f"namespace {target}",
+                          f"{len(names)} datasets, ")
+    finally:
+        for source, reader in sources:
+            await reader.close()
+            await source.close()
+        await client.close()
+
+
+def parse_pins(pins: tuple[str, ...] | list[str]) -> dict[str, str]:
+    """``["imagenet@3fa9c1d2"]`` -> ``{"imagenet": "3fa9c1d2"}``; ConfigError for a pin that
+    names no snapshot or a dataset twice."""
+    out: dict[str, str] = {}
+    for pin in pins:
+        dataset, snap = split_dataset_ref(pin.strip())
+        if "@" not in pin or snap == "latest":
+            raise ConfigError(f"--pin {pin!r}: expected DATASET@SNAPSHOT")
+        if dataset in out:
+            raise ConfigError(f"--pin {pin!r}: dataset {dataset!r} is pinned twice")
+        out[dataset] = snap
+    return out
+
+
 async def _serve_fuse(opts: MountOptions, mountpoint: Path, ops: SnapshotFS,
-                      on_ready: Callable[[str], None]) -> None:
+                      on_ready: Callable[[str], None], what: str, detail: str) -> None:
     import pyfuse3
 
     loop = asyncio.get_running_loop()
-    what = f"{ops.table.dataset}@{ops.table.snapshot}"
     metrics = serve_python(ops, str(mountpoint), what, opts.metrics_addr, opts.metrics_port)
     try:
         pyfuse3.init(ops, str(mountpoint), fuse_options(opts))
@@ -199,9 +277,7 @@ async def _serve_fuse(opts: MountOptions, mountpoint: Path, ops: SnapshotFS,
             # Only now: the kernel lowers readahead to what INIT offered (128 KiB) when it
             # processes INIT, which happens in the first request the loop serves.
             ra = sysfs.set_read_ahead_kb(mountpoint, opts.read_ahead_kb)
-            t = ops.table
-            on_ready(f"spokefs mount ready: {t.dataset}@{t.snapshot} at {mountpoint} "
-                     f"({t.file_count} files, {format_size(t.total_bytes)}, engine=python, "
+            on_ready(f"spokefs mount ready: {what} at {mountpoint} ({detail}engine=python, "
                      f"read_ahead_kb={ra if ra is not None else 'unchanged'}"
                      f"{ready_note(metrics)})")
         await main
