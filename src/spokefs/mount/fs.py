@@ -149,7 +149,12 @@ class SnapshotFS(pyfuse3.Operations):
         return pyfuse3.FileInfo(fh=inode, keep_cache=True, direct_io=False)
 
     async def read(self, fh: int, off: int, size: int) -> bytes | memoryview:
-        t = self.table
+        return await self._read_file(self.table, self.reader, fh, off, size, "")
+
+    async def _read_file(self, t: InodeTable, reader: Reader, fh: int, off: int, size: int,
+                         where: str) -> bytes | memoryview:
+        """Bytes [off, off + size) of file inode ``fh`` of table ``t`` through ``reader``;
+        EIO (counted, logged) when the reader gives up. ``where`` names a namespace member."""
         i = t.file_index(fh)
         file_size = t.sizes[i]
         if off >= file_size or size <= 0:
@@ -157,11 +162,11 @@ class SnapshotFS(pyfuse3.Operations):
         end = min(off + size, file_size)
         t0 = time.monotonic()
         try:
-            data = await self.reader.read(t.version(fh), file_size, off, end)
+            data = await reader.read(t.version(fh), file_size, off, end)
         except ReadFailed as exc:
             self.counters.read_errors += 1
-            log.error("read of %r [%d, %d) failed, answering EIO: %s", t.paths[i], off, end,
-                      exc)
+            log.error("read of %r%s [%d, %d) failed, answering EIO: %s", t.paths[i], where,
+                      off, end, exc)
             raise pyfuse3.FUSEError(errno.EIO) from None
         c = self.counters
         c.reads += 1

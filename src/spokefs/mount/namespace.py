@@ -287,25 +287,8 @@ class NamespaceFS(SnapshotFS):
         m = self.table.member(fh)
         if m is None or m.table is None or m.reader is None:
             raise pyfuse3.FUSEError(errno.EBADF)
-        t, n = m.table, fh & _LOCAL
-        i = t.file_index(n)
-        file_size = t.sizes[i]
-        if off >= file_size or size <= 0:
-            return b""
-        end = min(off + size, file_size)
-        t0 = time.monotonic()
-        try:
-            data = await m.reader.read(t.version(n), file_size, off, end)
-        except ReadFailed as exc:
-            self.counters.read_errors += 1
-            log.error("read of %r in %s [%d, %d) failed, answering EIO: %s", t.paths[i],
-                      m.ref, off, end, exc)
-            raise pyfuse3.FUSEError(errno.EIO) from None
-        c = self.counters
-        c.reads += 1
-        c.read_bytes += len(data)
-        c.read_seconds += time.monotonic() - t0
-        return data
+        return await self._read_file(m.table, m.reader, fh & _LOCAL, off, size,
+                                     f" in {m.ref}")
 
 
 class _NoReader:
