@@ -131,7 +131,10 @@ def stack(tmp_path_factory: pytest.TempPathFactory
              "--dataset", f"beta={dirs['beta']}", "--dataset", f"secret={dirs['secret']}",
              "--auth", str(root / "hub.tokens")) as h, \
             spoke(h.url, root / "cache", "256MiB", "--auth", str(root / "spoke.tokens"),
-                  "--upstream-token-file", str(root / "spoke.token")) as s:
+                  "--upstream-token-file", str(root / "spoke.token"),
+                  # "latest" asked on every lookup: a mount started after a new
+                  # snapshot must see it, however soon after the last one it comes.
+                  "--latest-ttl", "0s") as s:
         yield dirs, h, s, root
 
 
