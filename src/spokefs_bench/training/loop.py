@@ -289,14 +289,16 @@ class LoopResult:
 def run_loop(index: Index, shape: str, opener: Opener, cfg: LoopConfig, classes: int,
              setup: Callable[[], None] | None = None,
              wrap_sampler: Callable[[EpochSampler], Sampler[int]] | None = None,
-             on_batch: Callable[[Batch], None] | None = None) -> LoopResult:
+             on_batch: Callable[[Batch], None] | None = None,
+             ready: Callable[[], None] | None = None) -> LoopResult:
     """Train for ``cfg.epochs`` epochs and return the per-batch timeline.
 
     The clock starts once the DataLoader's worker processes exist (a pass over an empty
     epoch forks them: framework start-up, not data access; about 0.5 s on 2 cores). Every
     byte is read after it starts. ``setup`` runs after the clock starts and is charged to the
     first batch's data wait (the staged copy). ``wrap_sampler`` lets a scenario announce the
-    order (hints)."""
+    order (hints). ``ready`` runs once the workers exist and the step is made, just before
+    the clock starts: loops run side by side (``bench contention``) start together there."""
     # More workers than cores is deliberate: they mostly wait on I/O, not the CPU.
     warnings.filterwarnings("ignore", message=".*suggested max number of worker",
                             category=UserWarning)
@@ -317,6 +319,8 @@ def run_loop(index: Index, shape: str, opener: Opener, cfg: LoopConfig, classes:
             raise AssertionError("the warm-up epoch is empty")
         # The model after the workers start: the first fork comes before CUDA is touched.
         step = make_step(cfg, classes, (cfg.batch_size, len(index) % cfg.batch_size))
+        if ready is not None:
+            ready()
         gate.open = True
         start, started_unix = time.perf_counter(), time.time()
         if setup is not None:

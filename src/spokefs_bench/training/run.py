@@ -171,6 +171,13 @@ def run_scenario(env: Env, sc: Scenario, link: str | None, cfg: TrainConfig,
     return res, out.timeline
 
 
+def link_service(upstream: str, rtt: float, rate: float, log_path: Path) -> Service:
+    """The emulated link: ``spokefs wan`` in front of ``upstream`` (host:port), a round trip
+    of ``rtt`` seconds and a cap of ``rate`` bytes/s (not started)."""
+    return Service(["wan", "--listen", "127.0.0.1:0", "--upstream", upstream,
+                    "--rtt", repr(rtt), "--bandwidth", repr(rate)], log_path=log_path)
+
+
 @contextlib.contextmanager
 def _shape_env(cfg: TrainConfig, data: BuiltDataset, links: set[str],
                work: Path) -> Iterator[Env]:
@@ -188,9 +195,8 @@ def _shape_env(cfg: TrainConfig, data: BuiltDataset, links: set[str],
         started.append(hub.start(timeout=300))
         wans: dict[str, Service] = {}
         for link in sorted(links):
-            w = Service(["wan", "--listen", "127.0.0.1:0", "--upstream", hub.hostport,
-                         "--rtt", repr(cfg.rtt), "--bandwidth", repr(cfg.link_rate(link))],
-                        log_path=logs / f"{shape}-wan-{link}.log")
+            w = link_service(hub.hostport, cfg.rtt, cfg.link_rate(link),
+                             logs / f"{shape}-wan-{link}.log")
             started.append(w.start())
             wans[link] = w
         snap = http_json(f"{hub.url}/v1/datasets/{data.spec.name}/snapshots/latest")["id"]

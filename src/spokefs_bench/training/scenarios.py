@@ -120,17 +120,25 @@ def spokefs_mount(url: str, mp: Path, log: Path) -> Iterator[None]:
 
 
 @contextlib.contextmanager
-def spoke_service(env: Env, upstream: str, tag: str) -> Iterator[Service]:
-    cache = env.work / f"{tag}-cache"
+def cold_spoke(upstream: str, cache: Path, cache_size: int, log_path: Path,
+               *extra: str) -> Iterator[Service]:
+    """A started spoke behind ``upstream`` on an empty ``cache`` folder (removed after);
+    ``extra``: more ``spokefs spoke serve`` arguments."""
     shutil.rmtree(cache, ignore_errors=True)  # every scenario starts cold
-    spoke = Service(spoke_args(upstream, cache, str(env.cache_size)),
-                    log_path=env.logs / f"{tag}-spoke.log")
+    spoke = Service(spoke_args(upstream, cache, str(cache_size), 0, *extra), log_path=log_path)
     spoke.start()
     try:
         yield spoke
     finally:
         spoke.stop()
         shutil.rmtree(cache, ignore_errors=True)
+
+
+@contextlib.contextmanager
+def spoke_service(env: Env, upstream: str, tag: str) -> Iterator[Service]:
+    with cold_spoke(upstream, env.work / f"{tag}-cache", env.cache_size,
+                    env.logs / f"{tag}-spoke.log") as spoke:
+        yield spoke
 
 
 @contextlib.contextmanager
