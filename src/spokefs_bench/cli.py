@@ -23,6 +23,7 @@ BENCH_MODULES = [
     "spokefs_bench.tier",
     "spokefs_bench.native",
     "spokefs_bench.node",
+    "spokefs_bench.contention",
 ]
 
 
