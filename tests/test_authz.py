@@ -253,9 +253,11 @@ def test_a_read_token_sees_only_its_datasets_in_status(servers) -> None:
         text = json.dumps(doc)
         assert "secret" not in text and str(root) not in text and h.url not in text
         assert doc["cache"]["dir"] is None and doc["upstream"] is None
+        assert doc["upstreams"] is None  # several upstreams' addresses and errors: admin's
         assert doc["cache"]["id"]  # not a path: what a same-host reader checks
         full = json.loads(call("GET", f"{s.url}/v1/status", ADMIN).data)
         assert full["cache"]["dir"] and full["upstream"] == h.url
+        assert [u["url"] for u in full["upstreams"]] == [h.url]
     for base in (s.url, h.url):
         names = [d["name"] for d in json.loads(call("GET", f"{base}/v1/datasets",
                                                     READER).data)["datasets"]]

@@ -176,7 +176,8 @@ def test_required_options_may_come_from_the_environment(monkeypatch: pytest.Monk
     monkeypatch.setenv("SPOKEFS_SPOKE_CACHE_DIR", "/c")
     monkeypatch.setenv("SPOKEFS_SPOKE_CACHE_SIZE", "5GiB")
     ns = _parse(["spoke", "serve"])
-    assert (ns.upstream, ns.cache_dir, ns.cache_size) == ("http://hub:8470", Path("/c"), 5 << 30)
+    assert (ns.upstream, ns.cache_dir, ns.cache_size) == (["http://hub:8470"], Path("/c"),
+                                                          5 << 30)
     r = run("spoke", "serve", "--upstream", "http://h:1")
     assert r.returncode == 2
     assert "--cache-dir (or SPOKEFS_SPOKE_SERVE_CACHE_DIR" in r.stderr

@@ -42,6 +42,7 @@ from spokefs.spoke.reads import (
 )
 from spokefs.spoke.retention import Retention
 from spokefs.spoke.tier import Peer
+from spokefs.spoke.upstreams import Routes, UpstreamSpec
 from spokefs.spoke.warmup import Warmups
 from spokefs.tasks import Tasks
 from spokefs.wire.backend import FileSegment, LaterBlock, ReadContext, Segment
@@ -365,8 +366,9 @@ async def tasks() -> AsyncIterator[Tasks]:
 
 
 def make_metadata(hub: FakeHub, store: BlockStore, tasks: Tasks, clock: Clock) -> Metadata:
-    return Metadata(hub, store, tasks, SpokeMetrics(CollectorRegistry()),  # type: ignore[arg-type]
-                    upstream_url="http://hub", deadline=0.2, latest_ttl=10.0, clock=clock)
+    return Metadata(Routes([UpstreamSpec("http://hub")]), [hub],  # type: ignore[list-item]
+                    store, tasks, SpokeMetrics(CollectorRegistry()),
+                    deadline=0.2, latest_ttl=10.0, clock=clock)
 
 
 async def test_dataset_info_is_trusted_for_its_ttl_then_asked_again(

@@ -216,16 +216,17 @@ def _relay(line: str) -> None:
 def serve_on_bucket(args: argparse.Namespace,
                     serve: Callable[[argparse.Namespace], int]) -> int:
     """Run ``serve`` (the spoke, one process or a supervisor of workers) with a private hub
-    on the bucket ``args.upstream`` as its upstream."""
-    if args.upstream_token_file is not None:
+    on the bucket ``args.upstream`` (its only one) as its upstream."""
+    if args.upstream_token_file:
         raise ConfigError("--upstream-token-file is for a hub or spoke upstream; a bucket's "
                           "credentials are found the way AWS tools find them (docs/s3.md)")
-    hub = PrivateHub(args.upstream, args.cache_dir, name=args.name,
+    bucket = args.upstream[0]
+    hub = PrivateHub(bucket, args.cache_dir, name=args.name,
                      endpoint_url=args.endpoint_url, block_size=args.block_size).start()
     try:
-        log.info("spoke on %s through its own bucket hub at %s", args.upstream, hub.url)
-        args.upstream = hub.url
-        args.upstream_token_file = hub.token_file
+        log.info("spoke on %s through its own bucket hub at %s", bucket, hub.url)
+        args.upstream = [hub.url]
+        args.upstream_token_file = [hub.token_file]
         args.name = args.endpoint_url = args.block_size = None  # the hub's, handed down
         return serve(args)
     finally:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 from pathlib import Path
 
 from spokefs.errors import ConfigError
@@ -23,9 +24,13 @@ def register(sub: argparse._SubParsersAction) -> None:
         description="Serve the same API as the hub. Hits come from local disk; misses are "
         "fetched from the upstream in batch reads, many in flight, verified, served and "
         "kept. The cache survives restarts and never exceeds --cache-size.")
-    serve.add_argument("--upstream", required=True, metavar="URL",
+    serve.add_argument("--upstream", required=True, action="append", metavar="[PATTERNS=]URL",
                        help="hub or spoke to read from, e.g. http://hub.example:8470, or a "
-                       "bucket, s3://BUCKET/PREFIX (docs/s3.md)")
+                       "bucket, s3://BUCKET/PREFIX (docs/s3.md). Repeat for several: a "
+                       "dataset is served by the first one whose PATTERNS (comma-separated, "
+                       "* ? [..] wildcards) match its name, e.g. 'scratch-*=https://hub-us:8470'; "
+                       "one without PATTERNS serves every name (docs/operations.md, "
+                       "\"Several upstreams\")")
     serve.add_argument("--name", help="s3:// only: the dataset's name (default: the "
                        "prefix's last part)")
     serve.add_argument("--endpoint-url", help="s3:// only: an S3-compatible store's endpoint "
@@ -69,9 +74,10 @@ def register(sub: argparse._SubParsersAction) -> None:
                        "client has taken (default 64MiB): a slow or abandoned reader holds "
                        "and pulls no more than this")
     add_auth_arguments(serve)
-    serve.add_argument("--upstream-token-file", type=Path, metavar="FILE",
+    serve.add_argument("--upstream-token-file", type=Path, action="append", metavar="FILE",
                        help="this spoke's own token for its upstream (its first line); a "
-                       "spoke never forwards a client's token")
+                       "spoke never forwards a client's token. With several --upstream, one "
+                       "per upstream in the same order")
     serve.add_argument("--dataset-config", type=Path, metavar="FILE",
                        help="per-dataset rules (TOML): cache = \"deny\", ttl, max_share; "
                        "re-read when it changes and on SIGHUP (docs/security.md)")
@@ -99,9 +105,17 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def _serve(args: argparse.Namespace) -> int:
-    if args.upstream.startswith("s3://"):  # a private bucket hub becomes the upstream
+    from spokefs.spoke.upstreams import Routes, parse_upstream, with_tokens
+
+    tokens = [str(p) for p in args.upstream_token_file or ()]
+    specs = with_tokens([parse_upstream(u) for u in args.upstream], tokens)
+    Routes(specs)  # two upstreams of one URL, an s3:// one beside others: refused here
+    if specs[0].url.startswith("s3://"):  # a private bucket hub becomes the upstream
         from spokefs.spoke.bucket import serve_on_bucket
 
+        if specs[0].datasets:
+            raise ConfigError("an s3:// upstream serves its one bucket prefix; it takes no "
+                              "dataset patterns (name it with --name)")
         return serve_on_bucket(args, _serve)
     for opt in ("name", "endpoint_url", "block_size"):
         if getattr(args, opt) is not None:
@@ -110,7 +124,7 @@ def _serve(args: argparse.Namespace) -> int:
     from spokefs.spoke.app import run_spoke
     from spokefs.spoke.service import SpokeConfig
 
-    config = SpokeConfig(upstream=args.upstream, cache_dir=args.cache_dir,
+    config = SpokeConfig(upstream=specs[0].url, cache_dir=args.cache_dir,
                          cache_size=args.cache_size, policy=args.policy, deadline=args.deadline,
                          max_inflight=args.max_inflight, fsync=not args.no_fsync,
                          latest_ttl=args.latest_ttl, prefetch=not args.no_prefetch,
@@ -120,8 +134,9 @@ def _serve(args: argparse.Namespace) -> int:
                          stale_after=args.stale_after,
                          auth=str(args.auth) if args.auth else None,
                          audit_log=args.audit_log,
-                         upstream_token_file=(str(args.upstream_token_file)
-                                              if args.upstream_token_file else None))
+                         upstream_token_file=specs[0].token_file,
+                         upstreams=([dataclasses.asdict(sp) for sp in specs]
+                                    if len(specs) > 1 or specs[0].datasets else []))
     if args.dataset_config is not None:
         from spokefs.spoke.datasets import DatasetConfig
 
@@ -147,7 +162,7 @@ def _serve(args: argparse.Namespace) -> int:
     check_bind(args.host, args.auth, args.insecure, "spoke")
     if args.auth is not None:
         TokenFile(args.auth)  # a bad token file stops the spoke before it starts
-    config.upstream_token()  # and so does an unreadable upstream token file
+    config.upstream_tokens()  # and so does an unreadable upstream token file
     from spokefs.spoke.workers import default_workers, serve_workers
 
     workers = default_workers() if args.workers is None else args.workers

@@ -8,15 +8,19 @@ nothing of the spoke itself, so none of them imports another through it.
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from spokefs.wire.server import BATCH_MEMORY
+
+if TYPE_CHECKING:
+    from spokefs.spoke.upstreams import UpstreamSpec
 
 
 @dataclass
 class SpokeConfig:
-    upstream: str
+    upstream: str                   # the first upstream's URL (the only one, mostly)
     cache_dir: Path
     cache_size: int
     policy: str = "belady"         # announced futures when given, LRU otherwise
@@ -42,6 +46,9 @@ class SpokeConfig:
     stale_after: float = 600.0
     auth: str | None = None         # token file clients must present a token of (wire.auth)
     upstream_token_file: str | None = None  # this spoke's own token for its upstream
+    # Several upstreams (spoke.upstreams): [{"url", "datasets", "token_file"}, ...] in their
+    # order; empty: ``upstream`` alone serves every dataset, with ``upstream_token_file``.
+    upstreams: list[dict[str, object]] = field(default_factory=list)
     dataset_config: str | None = None  # per-dataset residency and retention (spoke.datasets)
     tls_cert: str | None = None     # serve https (with tls_key)
     tls_key: str | None = None
@@ -77,13 +84,22 @@ class SpokeConfig:
 
         return read_token_file(Path(self.tier_token_file))
 
-    def upstream_token(self) -> str | None:
-        """The token this spoke presents upstream: its own, never a client's."""
-        if self.upstream_token_file is None:
-            return None
+    def upstream_specs(self) -> list[UpstreamSpec]:
+        """The upstreams in their order, each with its token file (spoke.upstreams)."""
+        from spokefs.spoke.upstreams import UpstreamSpec
+
+        if not self.upstreams:
+            return [UpstreamSpec(self.upstream, (), self.upstream_token_file)]
+        return [UpstreamSpec(str(u["url"]), tuple(u.get("datasets") or ()),  # type: ignore[arg-type]
+                             u.get("token_file"))  # type: ignore[arg-type]
+                for u in self.upstreams]
+
+    def upstream_tokens(self) -> list[str | None]:
+        """The token this spoke presents to each upstream: its own, never a client's."""
         from spokefs.wire.auth import read_token_file
 
-        return read_token_file(Path(self.upstream_token_file))
+        return [read_token_file(Path(s.token_file)) if s.token_file else None
+                for s in self.upstream_specs()]
 
     def direct_io(self) -> bool:
         """Whether cache writes bypass the page cache. A cache larger than half the memory

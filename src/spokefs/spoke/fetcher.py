@@ -34,7 +34,7 @@ import os
 import sys
 import time
 from collections import OrderedDict
-from collections.abc import Callable, Coroutine, Iterator
+from collections.abc import Callable, Coroutine, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -44,6 +44,7 @@ from spokefs.cache.segments import aligned
 from spokefs.cache.store import BlockStore, chunk_digests
 from spokefs.errors import (
     IntegrityError,
+    NotFound,
     SpokeError,
     Transient,
     UpstreamUnavailable,
@@ -57,6 +58,7 @@ from spokefs.spoke.commitments import Commitments
 from spokefs.spoke.fetchqueue import QUEUED, Batch, Entry, FetchQueue
 from spokefs.spoke.metrics import SpokeMetrics
 from spokefs.spoke.tier import Route, Tier
+from spokefs.spoke.upstreams import Routes, UpstreamSpec
 from spokefs.tier.membership import State
 from spokefs.wire.frames import FrameError, FrameHeader
 from spokefs.wire.headers import H_MEMBER, H_PEER
@@ -261,12 +263,17 @@ class Fetcher:
     apart (``fetchqueue``, sans-I/O), as are the receive buffers (``Arenas``). The bytes'
     half of this class is what the native data plane (issue 28) moves out of Python next."""
 
-    def __init__(self, upstream: str, store: BlockStore, metrics: SpokeMetrics, *,
+    def __init__(self, upstream: str | Routes, store: BlockStore, metrics: SpokeMetrics, *,
                  spawn: Spawn, max_requests: int = 64, deadline: float = 30.0,
                  link: LinkModel | None = None,
                  finished: Callable[[BlockKey, bool], None] | None = None,
-                 token: str | None = None, tier: Tier | None = None) -> None:
-        self.upstream = upstream
+                 tokens: Sequence[str | None] = (), tier: Tier | None = None) -> None:
+        # The upstreams and which serves which dataset (spoke.upstreams); a batch holds one
+        # dataset's blocks, so it goes to that dataset's upstream whole. They share the
+        # queue and the link's pacing: the window is the spoke's, over all its links.
+        self.routes = upstream if isinstance(upstream, Routes) else Routes(
+            [UpstreamSpec(upstream)])
+        self.upstream = self.routes.specs[0].url
         self.tier = tier
         self.store = store
         self.metrics = metrics
@@ -274,8 +281,10 @@ class Fetcher:
         self.deadline = deadline
         self.link = link
         self.finished = finished or (lambda key, resident: None)
-        self.client = DataClient(upstream, max_connections=max_requests,
-                                 idle_timeout=deadline, token=token)
+        tokens = list(tokens) or [None] * len(self.routes)
+        self.clients = [DataClient(sp.url, max_connections=max_requests,
+                                   idle_timeout=deadline, token=t)
+                        for sp, t in zip(self.routes.specs, tokens, strict=True)]
         self.queue = FetchQueue(max_requests, prefetch_window=(
             link.window() if link is not None else None))
         self._fetches: dict[BlockKey, Fetch] = {}
@@ -289,7 +298,8 @@ class Fetcher:
         # Digests of blocks served without being kept (single-block reads send them).
         self.passed: OrderedDict[BlockKey, bytes] = OrderedDict()
         self.last_error: str | None = None
-        self._down_since: float | None = None  # when the link went down (for the log)
+        self.errors: dict[int, str] = {}  # upstream -> its last failure, until it answers
+        self._down_since: dict[int, float] = {}  # upstream -> when it went down (the log)
         self._deadline_logged: tuple[float, int] | None = None  # last such line, blocks since
         self._pump_due = False
         self.arenas = Arenas()
@@ -379,7 +389,7 @@ class Fetcher:
     @property
     def last_received(self) -> float:
         """When bytes last came from the upstream or (tier) any member."""
-        t = self.client.last_received
+        t = max(c.last_received for c in self.clients)
         return t if self.tier is None else max(t, self.tier.last_received)
 
     def _borrow(self, key: BlockKey, block: Block) -> None:
@@ -406,7 +416,8 @@ class Fetcher:
         return self.queue.held_back
 
     async def close(self) -> None:
-        await self.client.close()
+        for client in self.clients:
+            await client.close()
         if self.tier is not None:
             await self.tier.close()
         self.arenas.close()
@@ -433,6 +444,15 @@ class Fetcher:
             await self._peer_request(batch, fetches)
             return
         ds = batch.group
+        up = self.routes.index(ds)
+        if up is None:  # the dataset's info came from no upstream: nothing to ask
+            for f in fetches:
+                self._end(f, error=NotFound(f"dataset {ds!r} is served by no upstream of "
+                                            "this spoke"))
+            self.queue.finished(batch)
+            self._pump()
+            return
+        url = self.routes.specs[up].url
         kind = "prefetch" if batch.prefetch else "demand"
         self.metrics.upstream_requests.labels(kind).inc()
         self.metrics.upstream_blocks.labels(kind).inc(len(fetches))
@@ -485,22 +505,24 @@ class Fetcher:
         cause: str | None = None
         final: SpokeError | None = None
         try:
-            await self.client.read_blocks(f"/v1/datasets/{ds}/blocks", body, begin, end,
-                                          progress=arrived)
-            self.last_error = None
-            if self._down_since is not None:  # one line per transition, not per request
+            await self.clients[up].read_blocks(f"/v1/datasets/{ds}/blocks", body, begin,
+                                               end, progress=arrived)
+            self.errors.pop(up, None)
+            if not self.errors:
+                self.last_error = None
+            down = self._down_since.pop(up, None)
+            if down is not None:  # one line per transition, not per request
                 log.info("upstream link up: %s answers again after %.1f s down",
-                         self.upstream, time.monotonic() - self._down_since,
-                         extra={"event": "link_up", "upstream": self.upstream})
-                self._down_since = None
+                         url, time.monotonic() - down,
+                         extra={"event": "link_up", "upstream": url})
         except Transient as exc:
             cause = str(exc)
-            self.last_error = cause
-            if self._down_since is None:
-                self._down_since = time.monotonic()
+            self.last_error = self.errors[up] = cause
+            if up not in self._down_since:
+                self._down_since[up] = time.monotonic()
                 log.warning("upstream link down: %s: %s (retrying until each read's "
-                            "deadline, %g s)", self.upstream, cause, self.deadline,
-                            extra={"event": "link_down", "upstream": self.upstream})
+                            "deadline, %g s)", url, cause, self.deadline,
+                            extra={"event": "link_down", "upstream": url})
             self.metrics.upstream_errors.labels("transient").inc()
         except SpokeError as exc:  # the upstream refused the whole batch: final for each
             final = exc
@@ -765,11 +787,12 @@ class Fetcher:
                 f.delays = policy.delays()
             pause = policy.pause(next(f.delays), now - f.started)
             if pause is None:
-                self._log_deadline(now, cause)
+                url = self.routes.url(f.dataset) or self.upstream
+                self._log_deadline(now, url, cause)
                 self._end(f, error=UpstreamUnavailable(
-                    f"upstream {self.upstream} unreachable for {self.deadline:g}s while "
+                    f"upstream {url} unreachable for {self.deadline:g}s while "
                     f"fetching block {f.key[1]} of {f.key[0]} ({f.dataset}): {cause}",
-                    self.upstream, cause))
+                    url, cause))
                 continue
             # Held out of the queue until the pause is over (one last try at the deadline).
             delay = max(delay, pause)
@@ -777,15 +800,15 @@ class Fetcher:
         if again:
             asyncio.get_running_loop().call_later(delay, self._requeue_all, again)
 
-    def _log_deadline(self, now: float, cause: str) -> None:
+    def _log_deadline(self, now: float, url: str, cause: str) -> None:
         # At most one line in 10 s: an outage fails every block in flight at once.
         last, count = self._deadline_logged or (now - 10.0, 0)
         if now - last < 10.0:
             self._deadline_logged = (last, count + 1)
             return
         log.warning("deadline exceeded: upstream %s gave no block for %g s (%d more blocks "
-                    "since the last such line): %s", self.upstream, self.deadline, count,
-                    cause, extra={"event": "deadline_exceeded", "upstream": self.upstream})
+                    "since the last such line): %s", url, self.deadline, count,
+                    cause, extra={"event": "deadline_exceeded", "upstream": url})
         self._deadline_logged = (now, 0)
 
     def _requeue_all(self, fetches: list[Fetch]) -> None:

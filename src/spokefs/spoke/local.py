@@ -87,7 +87,8 @@ class SameHost:
                 block = reads.fetches.recent(key)
                 if block is None:
                     fut = waits.get(key) or reads.fetch(name, key, DEMAND)
-                    block = await reads.wait(fut, f"block {key[1]} of {key[0]} ({name})")
+                    block = await reads.wait(fut, f"block {key[1]} of {key[0]} ({name})",
+                                             name)
                 if block.written is not None:
                     await asyncio.shield(block.written)
                 loc = self.store.get(key)

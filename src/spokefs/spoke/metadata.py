@@ -15,7 +15,7 @@ import asyncio
 import json
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -27,6 +27,7 @@ from spokefs.manifest import Manifest, is_snapshot_id
 from spokefs.retry import UPSTREAM, retrying
 from spokefs.spoke.commitments import Commitments
 from spokefs.spoke.metrics import SpokeMetrics
+from spokefs.spoke.upstreams import Routes
 from spokefs.tasks import Tasks
 from spokefs.wire.backend import DatasetInfo, DatasetVersions, ManifestMemo
 from spokefs.wire.client import UpstreamClient
@@ -38,14 +39,14 @@ class Metadata:
     """Dataset info, manifests and snapshots in use, from the upstream and kept on disk.
     ``on_manifest(m)`` hears every manifest decoded here (the planner's, when it runs)."""
 
-    def __init__(self, upstream: UpstreamClient, store: BlockStore, tasks: Tasks,
-                 metrics: SpokeMetrics, *, upstream_url: str, deadline: float,
+    def __init__(self, routes: Routes, upstreams: Sequence[UpstreamClient], store: BlockStore,
+                 tasks: Tasks, metrics: SpokeMetrics, *, deadline: float,
                  latest_ttl: float, clock: Callable[[], float] = time.monotonic) -> None:
-        self.upstream = upstream
+        self.routes = routes        # which upstream serves which dataset (spoke.upstreams)
+        self.upstreams = upstreams  # one client each, in the routes' order
         self.store = store  # the manifests' folder and small facts (dataset info) kept there
         self.tasks = tasks
         self.metrics = metrics
-        self.upstream_url = upstream_url
         self.deadline = deadline
         self.latest_ttl = latest_ttl
         self.clock = clock
@@ -64,14 +65,21 @@ class Metadata:
         self.versions = DatasetVersions(self.dataset, self.manifest, self.in_use)
         self.commitments = Commitments(self.known, self.dataset, self.upstream_digests)
 
-    async def retrying(self, what: str, fn: Any, *args: Any) -> Any:
+    def upstream(self, name: str) -> tuple[UpstreamClient, str]:
+        """The client and URL of the upstream serving ``name``; NotFound when none does."""
+        i = self.routes.index(name)
+        if i is None:
+            raise NotFound(f"dataset {name!r} is served by no upstream of this spoke")
+        return self.upstreams[i], self.routes.specs[i].url
+
+    async def retrying(self, up: str, what: str, fn: Any, *args: Any) -> Any:
         """Call an upstream coroutine, retrying transient failures with backoff until the
-        deadline; then UpstreamUnavailable naming the upstream and the cause."""
+        deadline; then UpstreamUnavailable naming the upstream (``up``) and the cause."""
         def failed(exc: Transient) -> None:
             self.metrics.upstream_errors.labels("transient").inc()
             self.last_error = str(exc)
 
-        up, dl = self.upstream_url, self.deadline
+        dl = self.deadline
         result = await retrying(
             lambda: fn(*args), UPSTREAM.within(dl), on_transient=failed,
             give_up=lambda cause: UpstreamUnavailable(
@@ -86,8 +94,9 @@ class Metadata:
         cached = self._datasets.get(name)
         if cached is not None and now - cached[0] < self.latest_ttl:
             return cached[1]
+        client, url = self.upstream(name)
         try:
-            doc = await self.upstream.get_json(f"/v1/datasets/{name}")
+            doc = await client.get_json(f"/v1/datasets/{name}")
         except Transient as exc:
             # Upstream down: keep serving with what we knew (memory, then disk).
             stale = cached[1] if cached else self._persisted(name)
@@ -97,8 +106,8 @@ class Metadata:
                 self._datasets[name] = (now, stale)  # ask again after the ttl, not per read
                 return stale
             raise UpstreamUnavailable(
-                f"upstream {self.upstream_url} is unreachable and dataset {name!r} was "
-                f"never seen by this spoke: {exc}", self.upstream_url, str(exc)) from exc
+                f"upstream {url} is unreachable and dataset {name!r} was "
+                f"never seen by this spoke: {exc}", url, str(exc)) from exc
         info = DatasetInfo.from_json(doc, DEFAULT_BLOCK_SIZE)
         self._datasets[name] = (now, info)
         self.unconfirmed.discard(name)
@@ -122,12 +131,38 @@ class Metadata:
         return DatasetInfo.from_json(json.loads(raw), DEFAULT_BLOCK_SIZE)
 
     async def datasets(self) -> list[DatasetInfo]:
-        doc = await self.retrying("the dataset list", self.upstream.get_json, "/v1/datasets")
-        return [await self.dataset(d["name"]) for d in doc["datasets"]]
+        """Every upstream's list, each name from the upstream that serves it (another's
+        list may name it too). With several upstreams, one that stays down past the deadline
+        contributes the datasets this spoke saw of it before (their last known state, as a
+        read would get); with one, its failure is the answer."""
+        async def listed(i: int) -> list[str]:
+            url = self.routes.specs[i].url
+            try:
+                doc = await self.retrying(url, "the dataset list", self.upstreams[i].get_json,
+                                          "/v1/datasets")
+            except UpstreamUnavailable as exc:
+                if len(self.upstreams) == 1:
+                    raise
+                log.warning("dataset list without upstream %s's live list: %s", url, exc)
+                return sorted(n for n in self.kept_datasets() if self.routes.serves(i, n))
+            return [str(d["name"]) for d in doc["datasets"]]
+
+        names = await asyncio.gather(*(listed(i) for i in range(len(self.upstreams))))
+        out: list[DatasetInfo] = []
+        for i, some in enumerate(names):
+            for name in some:
+                if self.routes.serves(i, name):
+                    try:
+                        out.append(await self.dataset(name))
+                    except UpstreamUnavailable:
+                        if len(self.upstreams) == 1:
+                            raise  # else: down, and never seen here: not listed
+        return out
 
     async def create_snapshot(self, name: str) -> dict[str, object]:
         # Snapshots are the hub's to make; forward, so `spokefs` commands work via a spoke.
-        doc = await self.upstream.post_json(f"/v1/datasets/{name}/snapshots", {})
+        client, _ = self.upstream(name)
+        doc = await client.post_json(f"/v1/datasets/{name}/snapshots", {})
         self._datasets.pop(name, None)
         return doc
 
@@ -201,8 +236,9 @@ class Metadata:
         blob = await asyncio.to_thread(load_manifest_checked, path, snap_id, name)
         if blob is not None:
             return blob
-        blob = await self.retrying(f"the manifest of {name}@{snap_id}",
-                                   self.upstream.manifest_blob, name, snap_id)
+        client, url = self.upstream(name)
+        blob = await self.retrying(url, f"the manifest of {name}@{snap_id}",
+                                   client.manifest_blob, name, snap_id)
         try:
             # Checked first (ManifestError, a 502: nothing kept, nothing served), then
             # written durably (temporary file, fsync, rename, fsync of the folder).
@@ -233,8 +269,9 @@ class Metadata:
 
     # -- what versions commit to -------------------------------------------------------------
     async def upstream_digests(self, name: str, versions: list[str]) -> dict[str, object]:
-        doc = await self.retrying(f"the digests of {len(versions)} versions",
-                                  self.upstream.post_json, f"/v1/datasets/{name}/digests",
+        client, url = self.upstream(name)
+        doc = await self.retrying(url, f"the digests of {len(versions)} versions",
+                                  client.post_json, f"/v1/datasets/{name}/digests",
                                   {"versions": versions})
         got = doc.get("digests") if isinstance(doc, dict) else None
         if not isinstance(got, dict):

@@ -113,14 +113,17 @@ class Reads:
     (``spoke.retention``); ``heard``: the planner's ear, set while it runs."""
 
     def __init__(self, store: BlockStore, fetches: FetchPath, counts: Counts, *,
-                 upstream: str, deadline: float, read_window: int = 64 << 20,
+                 upstream: str | Callable[[str], str | None], deadline: float,
+                 read_window: int = 64 << 20,
                  expired: Callable[[BlockKey], bool] = lambda key: False,
                  clock: Callable[[], float] = time.monotonic,
                  checker: Executor | None = None) -> None:
         self.store = store
         self.fetches = fetches
         self.counts = counts
-        self.upstream = upstream
+        # The upstream a dataset's blocks come from, for messages (spoke.upstreams).
+        self.upstream_of: Callable[[str], str | None] = (
+            (lambda name: upstream) if isinstance(upstream, str) else upstream)
         self.deadline = deadline
         # A read asks for at most this many bytes ahead of what its client has taken.
         self.read_window = read_window
@@ -176,11 +179,11 @@ class Reads:
             if copy:
                 raise UpstreamUnavailable(
                     f"block {key[1]} of {key[0]} ({name}) is not cached on this member",
-                    self.upstream, "not cached")
+                    self.upstream_of(name) or "", "not cached")
             fut = self.fetch(name, key, priority, peer)  # missing, or evicted meanwhile
         self.counts.count(name, 0, 1)
         self._just_fetched.discard(key)
-        block = await self.wait(fut, f"block {key[1]} of {key[0]} ({name})")
+        block = await self.wait(fut, f"block {key[1]} of {key[0]} ({name})", name)
         # From the buffer it arrived in (still warm in memory; the copy the store writes goes
         # to disk with direct I/O, not to the page cache).
         return Piece(block.view[lo:hi], block.object_size, block.digest)
@@ -192,7 +195,7 @@ class Reads:
         else:
             self.counts.count(name, 1, 0)
 
-    async def wait(self, fut: asyncio.Future[Block], what: str) -> Block:
+    async def wait(self, fut: asyncio.Future[Block], what: str, name: str) -> Block:
         """Wait for a fetch, but not past the deadline of upstream silence: a reader queued
         behind fetches that stalled (all slots taken, nothing failing yet) still gets its 503
         once the upstream has sent no byte for ``deadline`` seconds while it waited. A slow
@@ -203,9 +206,10 @@ class Reads:
             left = silent_since + self.deadline - self.clock()
             if left <= 0:
                 cause = self.fetches.last_error or "no answer (connections stalled)"
+                url = self.upstream_of(name) or ""
                 raise UpstreamUnavailable(
-                    f"upstream {self.upstream} sent nothing for {self.deadline:g}s while "
-                    f"waiting for {what}: {cause}", self.upstream, cause)
+                    f"upstream {url} sent nothing for {self.deadline:g}s while "
+                    f"waiting for {what}: {cause}", url, cause)
             try:
                 return await asyncio.wait_for(asyncio.shield(fut), left)
             except TimeoutError:
@@ -293,7 +297,7 @@ class Reads:
         size = self.size_of(version)
         if size is None:
             block = await self.wait(self.fetch(name, (version, 0)),
-                                    f"block 0 of {version} ({name})")
+                                    f"block 0 of {version} ({name})", name)
             size = block.object_size
             self._just_fetched.add((version, 0))
         self._sizes[version] = size

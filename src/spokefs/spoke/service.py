@@ -48,6 +48,7 @@ from spokefs.spoke.prefetch import PrefetchDriver
 from spokefs.spoke.reads import Counts, Reads
 from spokefs.spoke.retention import Retention
 from spokefs.spoke.tier import Peer
+from spokefs.spoke.upstreams import Routes
 from spokefs.spoke.warmup import Held, Warmups
 from spokefs.tasks import Tasks
 from spokefs.wire.backend import (
@@ -79,22 +80,25 @@ class SpokeBackend:
                              copies=config.tiered() and config.tier_copies)
         self.store = BlockStore(config.cache_dir, config.cache_size, policy, fsync=config.fsync,
                                 direct_io=config.direct_io())
+        # Which upstream serves which dataset (spoke.upstreams), each with its own token.
+        self.routes = Routes(config.upstream_specs())
+        tokens = config.upstream_tokens()
         # Metadata (dataset info, manifests): small JSON answers, through aiohttp.
-        token = config.upstream_token()
-        self.upstream = UpstreamClient(config.upstream, max_connections=8,
-                                       request_timeout=config.deadline, token=token)
+        self.upstreams = [UpstreamClient(s.url, max_connections=8,
+                                         request_timeout=config.deadline, token=t)
+                          for s, t in zip(self.routes.specs, tokens, strict=True)]
         # What the link needs in flight, measured; prefetch beyond it would only slow readers.
         self.link = LinkModel(max_window=config.prefetch_inflight) if config.pacing else None
         self.tasks = Tasks(on_failure=lambda name: self.metrics.task_failures.labels(
             name).inc())
         self.tier = make_tier(config, self.registry) if config.tiered() else None
-        self.fetcher = Fetcher(config.upstream, self.store, self.metrics,
+        self.fetcher = Fetcher(self.routes, self.store, self.metrics,
                                spawn=lambda c: self.tasks.spawn(c, "fetch"),
                                max_requests=config.max_inflight, deadline=config.deadline,
-                               link=self.link, finished=self._fetch_finished, token=token,
+                               link=self.link, finished=self._fetch_finished, tokens=tokens,
                                tier=self.tier)
-        self.metadata = Metadata(self.upstream, self.store, self.tasks, self.metrics,
-                                 upstream_url=config.upstream, deadline=config.deadline,
+        self.metadata = Metadata(self.routes, self.upstreams, self.store, self.tasks,
+                                 self.metrics, deadline=config.deadline,
                                  latest_ttl=config.latest_ttl)
         self.versions = self.metadata.versions
         self.fetcher.expected_size = self._expected_size
@@ -116,7 +120,7 @@ class SpokeBackend:
         self.shares = FairShares(self.store, self.dataset_rules)
         self.registry.register(self.shares)
         self.counts = Counts(self.metrics)
-        self.reads = Reads(self.store, self.fetcher, self.counts, upstream=config.upstream,
+        self.reads = Reads(self.store, self.fetcher, self.counts, upstream=self.routes.url,
                            deadline=config.deadline, read_window=config.read_window,
                            expired=self.retention.expired)
         self.local = SameHost(self.store, self.reads, self.versions, self.metrics,
@@ -152,7 +156,8 @@ class SpokeBackend:
     async def close(self) -> None:
         await self.tasks.close()
         await self.fetcher.close()
-        await self.upstream.close()
+        for client in self.upstreams:
+            await client.close()
         self.reads.close()
         await asyncio.to_thread(self.store.close)
 
@@ -277,10 +282,17 @@ class SpokeBackend:
         now = time.monotonic()
         if now - self._upstream_answered < self.READY_UPSTREAM_S:
             return None
-        try:
-            await asyncio.wait_for(self.upstream.get_json("/v1/datasets"), 1.0)
-        except Exception:  # any failure to ask it: not ready (the cause is in the status)
-            return "the upstream does not answer and nothing is cached"
+        async def answers(client: UpstreamClient) -> bool:
+            try:
+                await asyncio.wait_for(client.get_json("/v1/datasets"), 1.0)
+            except Exception:  # any failure to ask it: no (the cause is in the status)
+                return False
+            return True
+
+        if not any(await asyncio.gather(*map(answers, self.upstreams))):
+            return ("the upstream does not answer and nothing is cached" if
+                    len(self.upstreams) == 1 else
+                    "no upstream answers and nothing is cached")
         self._upstream_answered = now
         return None
 
@@ -289,6 +301,9 @@ class SpokeBackend:
         c, q = self.counts, self.fetcher.queue
         return {
             "role": self.role, "upstream": self.config.upstream,
+            "upstreams": [{"url": sp.url, "datasets": list(sp.datasets) or ["*"],
+                           "error": self.fetcher.errors.get(i)}
+                          for i, sp in enumerate(self.routes.specs)],
             "upstream_error": self.fetcher.last_error or self.metadata.last_error,
             "uptime_s": round(time.time() - self.started, 1),
             "cache": {**self.store.stats(), "warm_pinned_bytes": self.warmups.pinned_bytes},

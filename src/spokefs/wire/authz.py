@@ -297,6 +297,8 @@ def visible_status(doc: dict[str, object], token: Token | None) -> dict[str, obj
                 if isinstance(value, dict) else value)
 
     out["upstream"] = None
+    if "upstreams" in out:  # their addresses and errors, like "upstream": admin only
+        out["upstreams"] = None
     if doc.get("upstream_error"):
         out["upstream_error"] = "the upstream is failing (details: an admin token's status)"
     cache = doc.get("cache")
