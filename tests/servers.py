@@ -2,14 +2,40 @@
 
 from __future__ import annotations
 
+import itertools
+import os
 import random
 import re
+import socket
 import time
 from pathlib import Path
 
 import urllib3
 
 from spokefs.procs import Service
+
+# Ports a test names before its process starts (tier members name each other) come from a
+# block per xdist worker below the kernel's ephemeral range (32768-60999): a port found by
+# bind(0) and then closed could be taken by another worker's bind(0) or by an outgoing
+# connection before the process binds it (EADDRINUSE, seen in CI).
+_PORT_BLOCK = 1500
+_worker = os.environ.get("PYTEST_XDIST_WORKER", "gw0").removeprefix("gw")
+_PORT_BASE = 20000 + (int(_worker) if _worker.isdigit() else 0) % 8 * _PORT_BLOCK
+_start = random.randrange(_PORT_BLOCK)  # two runs side by side rarely start at the same port
+_ports = ((_start + i) % _PORT_BLOCK for i in itertools.count())
+
+
+def free_port() -> int:
+    """A port on 127.0.0.1 that is bindable now and that no other test worker hands out."""
+    for offset in itertools.islice(_ports, _PORT_BLOCK):
+        port = _PORT_BASE + offset
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+        return port
+    raise RuntimeError(f"no free port in {_PORT_BASE}..{_PORT_BASE + _PORT_BLOCK}")
 
 
 class ServerProcess(Service):

@@ -167,7 +167,7 @@ def test_a_hostile_tier_member_never_gets_a_byte_kept_or_served(tmp_path: Path) 
     byte is right."""
     ds = make_dataset(tmp_path / "ds", n_small=12, small_size=50_000,
                       big_sizes=(5 * BS + 1000,))
-    from test_tier import free_port  # a port each member names itself by
+    from servers import free_port  # a port each member names itself by
 
     pa, pb = free_port(), free_port()
     a, b = f"http://127.0.0.1:{pa}", f"http://127.0.0.1:{pb}"

@@ -29,6 +29,7 @@ from pathlib import Path
 
 import pytest
 
+from servers import free_port
 from spokefs.mount import sysfs
 from spokefs.mount.process import fuse_unusable, unmount
 
@@ -95,12 +96,6 @@ def test_the_page_marks_its_commands() -> None:
                  "spokefs mount", "ls ", "cat ", "spokefs umount"):
         assert any(c.startswith(step) for c in run), f"the page runs no {step!r}"
     assert sum(c.endswith("&") for c in run) == 2, "two servers in the background"
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def wait_port(port: int, proc: subprocess.Popen[bytes], log: Path, deadline: float) -> None:

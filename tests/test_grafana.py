@@ -7,7 +7,6 @@ from __future__ import annotations
 import json
 import re
 import shutil
-import socket
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -16,7 +15,7 @@ import pytest
 import urllib3
 from prometheus_client.parser import text_string_to_metric_families
 
-from servers import ServerProcess, spoke
+from servers import ServerProcess, free_port, spoke
 
 ROOT = Path(__file__).parent.parent
 DASHBOARD = ROOT / "deploy" / "grafana" / "spokefs.json"
@@ -50,12 +49,6 @@ def queries(doc: dict[str, Any]) -> list[str]:
 def scrape(url: str) -> list[Any]:
     text = urllib3.request("GET", f"{url}/metrics", timeout=10).data.decode()
     return [f for f in text_string_to_metric_families(text) if f.name.startswith("spokefs_")]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 @pytest.fixture

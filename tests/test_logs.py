@@ -7,7 +7,6 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-import socket
 import time
 from pathlib import Path
 
@@ -15,7 +14,7 @@ import pytest
 import xxhash
 
 import spokefs
-from servers import ServerProcess, make_dataset
+from servers import ServerProcess, free_port, make_dataset
 from spokefs.cache.store import BlockStore
 from spokefs.cache.storm import StormWatch
 from spokefs.client.control import SpokeControl
@@ -79,12 +78,6 @@ def test_store_logs_one_eviction_storm_and_counts_prefetches_read(
     assert used == [128 << 10]
     storms = [r for r in caplog.records if getattr(r, "event", None) == "eviction_storm"]
     assert len(storms) == 1 and storms[0].evicted_bytes >= 512 << 10
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def json_lines(proc: ServerProcess) -> list[dict]:

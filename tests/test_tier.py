@@ -8,7 +8,6 @@ import asyncio
 import json
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -21,7 +20,7 @@ from pathlib import Path
 import pytest
 import urllib3
 
-from servers import ServerProcess, hub, make_dataset, metric, spoke
+from servers import ServerProcess, free_port, hub, make_dataset, metric, spoke
 from spokefs.errors import ConfigError
 from spokefs.spoke.tier import UPSTREAM_KEEP, Route, TierRouter
 from spokefs.tier.membership import State
@@ -115,12 +114,6 @@ def test_a_member_always_counts_itself() -> None:
 
 # -- three spokes on loopback -----------------------------------------------------------------
 http = urllib3.PoolManager(retries=False, maxsize=16, timeout=60)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def wait_until(what: str, cond: Callable[[], bool], timeout: float = 60.0) -> None:
