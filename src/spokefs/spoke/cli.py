@@ -79,8 +79,9 @@ def register(sub: argparse._SubParsersAction) -> None:
                        "spoke never forwards a client's token. With several --upstream, one "
                        "per upstream in the same order")
     serve.add_argument("--dataset-config", type=Path, metavar="FILE",
-                       help="per-dataset rules (TOML): cache = \"deny\", ttl, max_share; "
-                       "re-read when it changes and on SIGHUP (docs/security.md)")
+                       help="per-dataset rules (TOML): cache = \"deny\", ttl, max_share, min_share "
+                       "(a reserved share), idle_after; re-read when it changes and on SIGHUP "
+                       "(docs/security.md)")
     serve.add_argument("--pin-ttl", type=parse_duration, default=24 * 3600.0,
                        metavar="DURATION", help="how long a warm-up's pins hold (default "
                        "24h; warm again to renew); warm-ups may pin at most 80%% of the cache")
