@@ -24,6 +24,7 @@ from __future__ import annotations
 import base64
 import ipaddress
 import re
+import shlex
 import socket
 import ssl
 import subprocess
@@ -1127,6 +1128,134 @@ def test_pods_take_service_account_annotations_env_and_volumes():
     assert "serviceAccountName" not in spec and spec["automountServiceAccountToken"] is False
 
 
+NAMESPACE_VALUES: dict[str, Any] = {
+    "hub": {"datasets": [
+        {"name": "imagenet"},                                    # a folder on hub.data
+        {"name": "coco", "source": "s3://team-data/coco", "blockSize": "8MiB",
+         "endpoint": "http://minio.storage:9000"},
+        {"name": "audio", "existingClaim": "audio-dataset"},     # a volume of its own
+        {"name": "text.v2", "source": "/corpora/text", "volume": {"nfs": {
+            "server": "nfs.example.org", "path": "/export/text"}}},
+    ]},
+    "spoke": {"datasetRules": "[datasets.imagenet]\nmin_share = 0.4\n\n"
+                              "[datasets.coco]\nmax_share = 0.3\n"},
+    "mount": {"namespace": True, "pins": ["imagenet@3fa9c1d20b7e"]},
+}
+
+
+def mount_argv(c: dict[str, Any]) -> list[str]:
+    """The spokefs command line a mount container runs: its shell script's `exec spokefs
+    "$@" ...` with "$@" (the global options after $0) put back."""
+    script, _zero, *global_opts = c["args"]
+    tail = script.split('exec spokefs "$@" ', 1)[1]
+    return [*global_opts, *shlex.split(tail)]
+
+
+def test_one_release_serves_a_namespace():
+    """hub.datasets is the hub's config file, read by the hub's own loader; each folder is on
+    a mounted volume; the spokes get the rules file; one mount per node shows the namespace."""
+    import tomllib
+
+    from spokefs.cli import build_parser
+    from spokefs.hub.namespace import parse_datasets
+    from spokefs.mount.run import parse_pins
+    from spokefs.mount.source import Target
+    from spokefs.spoke.datasets import parse_rules
+
+    docs = render(NAMESPACE_VALUES)
+    validate_all(docs)
+    hub = one(docs, "Deployment")
+    c = container(hub)
+    assert "--config=/etc/spokefs/hub/hub.toml" in c["args"]
+    # no DIR and no --name: the datasets come from the file only
+    assert [a for a in c["args"] if not a.startswith("-")] == ["hub", "serve"], c["args"]
+    assert not [a for a in c["args"] if a.startswith("--name")]
+    cm = named(docs, "ConfigMap", "train-spokefs-hub-datasets")
+    mounted = {m["mountPath"]: m for m in c["volumeMounts"]}
+    conf = mounted["/etc/spokefs/hub"]
+    assert conf["readOnly"] is True
+    assert volumes(hub)[conf["name"]]["configMap"]["name"] == "train-spokefs-hub-datasets"
+    # A ConfigMap volume, not a subPath: the kubelet updates it in place and the hub reloads.
+    assert "subPath" not in conf
+    specs = parse_datasets(tomllib.loads(cm["data"]["hub.toml"]),
+                           Path("/etc/spokefs/hub/hub.toml"), 4 << 20, "/var/lib/spokefs/hub",
+                           None)
+    by_name = {s.name: s for s in specs}
+    assert set(by_name) == {"imagenet", "coco", "audio", "text.v2"}
+    assert by_name["coco"].source == "s3://team-data/coco"
+    assert by_name["coco"].block_size == 8 << 20 and by_name["imagenet"].block_size == 4 << 20
+    assert by_name["coco"].endpoint == "http://minio.storage:9000"
+    assert by_name["audio"].state_dir == "/var/lib/spokefs/hub/audio"
+    assert by_name["audio"].source == "/datasets/audio"
+    assert by_name["imagenet"].source == "/data/imagenet"
+    # every folder lies on a read-only volume of the hub's pod: the claim or source it names
+    sources = {"imagenet": {"persistentVolumeClaim": {"claimName": "dataset",
+                                                      "readOnly": True}},
+               "audio": {"persistentVolumeClaim": {"claimName": "audio-dataset",
+                                                   "readOnly": True}},
+               "text.v2": {"nfs": {"server": "nfs.example.org", "path": "/export/text"}}}
+    for name, source in sources.items():
+        path = by_name[name].source
+        under = [m for p, m in mounted.items() if path == p or path.startswith(p + "/")]
+        mount = max(under, key=lambda m: len(m["mountPath"]))
+        assert mount["readOnly"] is True, name
+        vol = dict(volumes(hub)[mount["name"]])
+        vol.pop("name")
+        assert vol == source, name
+
+    spoke = one(docs, "StatefulSet")
+    sc = container(spoke)
+    assert "--dataset-config=/etc/spokefs/rules/datasets.toml" in sc["args"]
+    rules = named(docs, "ConfigMap", "train-spokefs-spoke-rules")["data"]["datasets.toml"]
+    _default, per = parse_rules(rules)
+    assert per["imagenet"].min_share == 0.4 and per["coco"].max_share == 0.3
+    assert {"name": "rules", "mountPath": "/etc/spokefs/rules", "readOnly": True} in (
+        sc["volumeMounts"])
+
+    mount = one(docs, "DaemonSet")
+    [mc] = mount["spec"]["template"]["spec"]["containers"]
+    args = build_parser().parse_args(mount_argv(mc))
+    assert Target.parse(args.url).namespace
+    assert args.url == "https://train-spokefs-spoke.ml.svc.cluster.local:8471/"
+    assert str(args.mountpoint) == "/mnt/spokefs"
+    assert parse_pins(args.pin) == {"imagenet": "3fa9c1d20b7e"}
+    assert mc["lifecycle"]["preStop"]["exec"]["command"] == ["spokefs", "umount",
+                                                              "/mnt/spokefs"]
+    assert {"name": "mounts", "mountPath": "/mnt/spokefs",
+            "mountPropagation": "Bidirectional"} in mc["volumeMounts"]
+
+
+def test_the_docs_namespace_values_render():
+    """docs/kubernetes.md's values-team.yaml renders valid manifests, as it says."""
+    block = re.search(r"```yaml\n# values-team.yaml\n(.+?)```", DOCS.read_text(), re.S)
+    assert block, "docs/kubernetes.md: the values-team.yaml example moved"
+    docs = render(yaml.safe_load(block.group(1)))
+    validate_all(docs)
+    cm = named(docs, "ConfigMap", "train-spokefs-hub-datasets")["data"]["hub.toml"]
+    assert all(f'[datasets."{n}"]' in cm for n in ("imagenet", "laion", "audio"))
+    [mc] = one(docs, "DaemonSet")["spec"]["template"]["spec"]["containers"]
+    assert "--pin=imagenet@3fa9c1d20b7e" in " ".join(mount_argv(mc))
+
+
+def test_a_namespace_of_buckets_needs_no_data_volume():
+    docs = render({"hub": {"datasets": [{"name": "a", "source": "gs://b/a"},
+                                        {"name": "b", "source": "az://c/b"}]}})
+    validate_all(docs)
+    hub = one(docs, "Deployment")
+    assert "data" not in volumes(hub)
+    assert "/data" not in {m["mountPath"] for m in container(hub)["volumeMounts"]}
+
+
+def test_the_single_dataset_form_stays():
+    docs = render({"hub": {"dataset": {"name": "coco", "path": "/srv/coco"}}})
+    c = container(one(docs, "Deployment"))
+    assert c["args"][:4] == ["hub", "serve", "/srv/coco", "--name=coco"]
+    assert not by_kind(docs, "ConfigMap")
+    mount = one(docs, "DaemonSet")
+    assert [x["name"] for x in mount["spec"]["template"]["spec"]["containers"]] == [
+        "mount-imagenet"]
+
+
 @pytest.mark.parametrize(("values", "message"), [
     ({"hub": {"enabled": False}}, "spoke.upstream is required"),
     ({"tier": {"membership": "gossip"}}, "tier.membership must be"),
@@ -1167,6 +1296,26 @@ def test_pods_take_service_account_annotations_env_and_volumes():
     ({"spoke": {"podAnnotations": {"a": True}}}, "want string"),
     ({"prometheusRule": {"enabeld": True}}, "'enabeld' not allowed"),
     ({"prometheusRule": {"hitRatioBelow": 2}}, "maximum: got 2"),
+    # a namespace release: the hub's dataset list, the mount's pins
+    ({"hub": {"datasets": [{"name": "a"}, {"name": "a", "source": "s3://b/a"}]}},
+     '"a" is named twice'),
+    ({"hub": {"datasets": [{"source": "/data/x"}]}}, "missing property 'name'"),
+    ({"hub": {"datasets": [{"name": "../x"}]}}, "does not match pattern"),
+    ({"hub": {"datasets": [{"name": "x", "source": "relative/x"}]}}, "does not match pattern"),
+    ({"hub": {"datasets": [{"name": "x", "blockSize": "lots"}]}}, "blockSize"),
+    ({"hub": {"datasets": [{"name": "x", "srouce": "/data/x"}]}}, "'srouce' not allowed"),
+    ({"hub": {"datasets": [{"name": "x", "source": "/elsewhere/x"}]}}, "is on no volume"),
+    ({"hub": {"datasets": [{"name": "x", "source": "s3://b/x", "existingClaim": "c"}]}},
+     "takes no existingClaim or volume"),
+    ({"hub": {"datasets": [{"name": "x", "existingClaim": "c", "volume": {"nfs": {}}}]}},
+     "give existingClaim or volume, not both"),
+    ({"hub": {"datasets": [{"name": "x", "existingClaim": "c", "source": "/m"},
+                           {"name": "y", "existingClaim": "d", "source": "/m/"}]}},
+     "another volume is already mounted at /m"),
+    ({"mount": {"pins": ["imagenet@abc"]}}, "set mount.namespace=true"),
+    ({"mount": {"namespace": True, "pins": ["imagenet"]}}, "does not match pattern"),
+    ({"mount": {"namespace": True, "pins": ["a@x", "a@y"]}}, '"a" is pinned twice'),
+    ({"spoke": {"datasetRules": ["min_share = 1"]}}, "want string"),
 ])
 def test_bad_values_fail_with_a_message(values, message):
     with pytest.raises(helm_python.HelmError, match=message):

@@ -280,3 +280,47 @@ The ingress peers of a server's NetworkPolicy, as a JSON list: (dict "root" . "c
 {{- $peers = concat $peers (index $np .component).extraFrom -}}
 {{- toJson $peers -}}
 {{- end -}}
+
+{{/*
+The hub's namespace (hub.datasets) as a JSON list, each entry with its source filled in and,
+for a folder on a volume of its own, that volume: [{name, source, blockSize, endpoint, volume}].
+Fails on what the hub or the API server would refuse later: a name given twice, a folder on no
+volume, an object store given a volume, two volumes at one path.
+*/}}
+{{- define "spokefs.hubDatasets" -}}
+{{- $hub := .Values.hub -}}
+{{- $shared := trimSuffix "/" $hub.dataset.path -}}
+{{- $out := list -}}
+{{- $names := dict -}}
+{{- $paths := dict -}}
+{{- range $hub.datasets -}}
+{{- $where := printf "hub.datasets %s" .name -}}
+{{- if hasKey $names .name -}}
+{{- fail (printf "hub.datasets: %q is named twice (each dataset once)" .name) -}}
+{{- end -}}
+{{- $_ := set $names .name true -}}
+{{- if and .existingClaim .volume -}}
+{{- fail (printf "%s: give existingClaim or volume, not both" $where) -}}
+{{- end -}}
+{{- $vol := dict -}}
+{{- if .existingClaim -}}
+{{- $vol = dict "persistentVolumeClaim" (dict "claimName" .existingClaim "readOnly" true) -}}
+{{- else if .volume -}}
+{{- $vol = .volume -}}
+{{- end -}}
+{{- $src := .source | default (ternary (printf "/datasets/%s" .name) (printf "%s/%s" $shared .name) (not (empty $vol))) -}}
+{{- if contains "://" $src -}}
+{{- if $vol }}{{ fail (printf "%s: an object store's dataset (%s) takes no existingClaim or volume" $where $src) }}{{ end -}}
+{{- else if $vol -}}
+{{- $path := trimSuffix "/" $src -}}
+{{- if or (hasKey $paths $path) (eq $path $shared) -}}
+{{- fail (printf "%s: another volume is already mounted at %s" $where $path) -}}
+{{- end -}}
+{{- $_ := set $paths $path true -}}
+{{- else if not (hasPrefix (printf "%s/" $shared) $src) -}}
+{{- fail (printf "%s: %s is on no volume: put it under hub.dataset.path (%s, where hub.data is mounted), or give it existingClaim or volume" $where $src $shared) -}}
+{{- end -}}
+{{- $out = append $out (dict "name" .name "source" $src "blockSize" .blockSize "endpoint" .endpoint "volume" $vol) -}}
+{{- end -}}
+{{- toJson $out -}}
+{{- end -}}
