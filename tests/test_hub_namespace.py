@@ -202,6 +202,75 @@ def test_datasets_added_and_removed_while_another_is_read(tmp_path: Path) -> Non
         assert failures == [] and reads[0] > 20
 
 
+def kubelet_write(folder: Path, files: dict[str, str]) -> None:
+    """What the kubelet does to a ConfigMap volume (its AtomicWriter): the files in a new
+    timestamped folder, ``..data`` switched to it by a rename, each name a link through
+    ``..data``. The Helm chart's hub reads its dataset list from such a volume."""
+    folder.mkdir(exist_ok=True)
+    stamp = folder / f"..{time.monotonic_ns()}"
+    stamp.mkdir()
+    for name, text in files.items():
+        (stamp / name).write_text(text)
+    tmp = folder / "..data_tmp"
+    tmp.symlink_to(stamp.name)
+    old = (folder / "..data").resolve() if (folder / "..data").is_symlink() else None
+    os.rename(tmp, folder / "..data")
+    for name in files:
+        if not (folder / name).is_symlink():
+            (folder / name).symlink_to(f"..data/{name}")
+    if old is not None:
+        for f in old.iterdir():
+            f.unlink()
+        old.rmdir()
+
+
+def test_a_config_map_update_adds_a_dataset_without_pausing_readers(tmp_path: Path) -> None:
+    """The chart's hub.datasets: a ConfigMap volume the kubelet updates by switching a link.
+    The hub sees the switch, scans the new dataset off its event loop, and a reader of
+    another dataset sees no error meanwhile (the longest read it saw is printed)."""
+    a = make_dataset(tmp_path / "a", n_small=8, big_sizes=())
+    big = tmp_path / "data" / "big"
+    for i in range(3000):  # a scan that takes a while, to be done beside the reader
+        d = big / f"c{i % 30}"
+        d.mkdir(parents=True, exist_ok=True)
+        (d / f"f{i}").write_bytes(os.urandom(2048))
+    conf = tmp_path / "conf"
+    only_a = f'[datasets."a"]\nsource = "{a}"\n'
+    kubelet_write(conf, {"hub.toml": only_a})
+    want = (a / "class0/img0000.jpg").read_bytes()
+    with config_hub(conf / "hub.toml", tmp_path / "state") as h:
+        assert names(h.url) == ["a"]
+        failures: list[object] = []
+        slowest = [0.0]
+        stop = threading.Event()
+
+        def reader() -> None:
+            pool = urllib3.PoolManager(retries=False, timeout=urllib3.Timeout(30))
+            while not stop.is_set():
+                t0 = time.monotonic()
+                try:
+                    r = pool.request("GET", f"{h.url}/a/class0/img0000.jpg")
+                    if r.status != 200 or r.data != want:
+                        failures.append(r.status)
+                except Exception as exc:
+                    failures.append(exc)
+                slowest[0] = max(slowest[0], time.monotonic() - t0)
+
+        t = threading.Thread(target=reader, daemon=True)
+        t.start()
+        try:
+            kubelet_write(conf, {"hub.toml": only_a + f'[datasets."big"]\nsource = "{big}"\n'})
+            until(lambda: names(h.url) == ["a", "big"], timeout=120)
+            r = http.request("GET", f"{h.url}/big/c7/f7")
+            assert r.status == 200 and r.data == (big / "c7/f7").read_bytes()
+        finally:
+            stop.set()
+            t.join(30)
+        assert failures == []
+    print(f"reload of a 3000-file dataset: the slowest read of another took "
+          f"{slowest[0] * 1000:.1f} ms")
+
+
 # -- folders and buckets in one hub, behind one spoke ------------------------------------------
 def test_a_spoke_reads_a_folder_and_a_bucket_of_one_hub(tmp_path: Path) -> None:
     pytest.importorskip("moto")
