@@ -83,6 +83,32 @@ def test_blocks_share_segment_files_and_read_back(tmp_path: Path) -> None:
     h.close()
 
 
+def test_a_purge_forgets_writes_in_flight(tmp_path: Path) -> None:
+    """A block reserved before a purge and written after it is served, not kept: a purge
+    leaves nothing it was meant to drop (it raced a fetch in the learning test)."""
+    h = Harness(tmp_path)
+
+    async def go() -> tuple[bool, bool]:
+        a = h.store.reserve(("a", 0), 1000, "ds")
+        other = h.store.reserve(("b", 0), 1000, "other")
+        assert a is not None and other is not None
+        h.store.forget_writes("ds")  # what a purge of "ds" does before it drops
+        kept = []
+        for res in (a, other):
+            done: asyncio.Future[bool] = asyncio.get_running_loop().create_future()
+            data = block(1, 1000)
+            h.store.write(res, memoryview(data), xxhash.xxh3_128_digest(data), done.set_result)
+            kept.append(await done)
+        return kept[0], kept[1]
+
+    kept_a, kept_b = h.loop.run_until_complete(go())
+    assert not kept_a and ("a", 0) not in h.store      # the purged dataset's write: not kept
+    assert kept_b and ("b", 0) in h.store              # another dataset's: kept
+    assert h.store.reserved == 0                         # no room held by the forgotten
+    assert h.put(("a", 0), block(1, 1000))              # a fetch after the purge is kept
+    h.close()
+
+
 def test_damage_is_caught_on_every_read_and_the_block_dropped(tmp_path: Path) -> None:
     h = Harness(tmp_path)
     data = block(1, 600 * KiB)

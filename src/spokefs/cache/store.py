@@ -229,6 +229,7 @@ class Reservation:
     offset: int
     chunks: bytes = b""
     copy: bool = False  # a tier member's copy of a block another member owns
+    seq: int = 0  # the store's count of reservations when made (``forget_writes``)
 
 
 @dataclass(slots=True, eq=False, kw_only=True)
@@ -293,6 +294,10 @@ class BlockStore:
         self._sizes: dict[str, int] = {}   # version -> object size
         self._kv: dict[str, str] = {}
         self._pending: dict[int, int] = {}  # segment id -> reservations being written
+        # Reservations up to these counts are not kept when their writes end: a purge
+        # (per dataset, None: all) forgets what was being fetched when it ran.
+        self._seq = 0
+        self._forgotten: dict[str | None, int] = {}
         self._held: dict[BlockKey, list] = {}  # key -> [holders, Loc, removed meanwhile]
         self.instance = ""  # the folder's id (spokefs.cache.shared), set by open()
         self.key: bytes | None = None  # the folder's internal key (internal_key), by open()
@@ -555,7 +560,8 @@ class BlockStore:
         self.reserved += need
         self.dataset_reserved[dataset] = self.dataset_reserved.get(dataset, 0) + size
         self._pending[seg.id] = self._pending.get(seg.id, 0) + 1
-        return Reservation(key, size, dataset, seg, offset, copy=copy)
+        self._seq += 1
+        return Reservation(key, size, dataset, seg, offset, copy=copy, seq=self._seq)
 
     def write(self, res: Reservation, data: memoryview, digest: bytes,
               done: Callable[[bool], None] | None = None, chunks: bytes | None = None,
@@ -614,7 +620,9 @@ class BlockStore:
     def _commit(self, res: Reservation, digest: bytes) -> bool:
         self._release(res)
         key, size = res.key, res.size
-        if key in self._records or not self.writable:  # raced a purge of pass-through
+        forgotten = max(self._forgotten.get(None, 0), self._forgotten.get(res.dataset, 0))
+        if key in self._records or not self.writable or res.seq <= forgotten:
+            # raced another write of it, a switch to pass-through, or a purge: served, not kept
             self.worker.submit(lambda: self._segs.punch(res.seg, res.offset, size))
             self._maybe_remove(res.seg)
             return key in self._records
@@ -767,6 +775,12 @@ class BlockStore:
         """Blocks (of ``dataset``) whose version is not in ``keep``: what a purge drops."""
         return [k for k, loc in self._records.items()
                 if (dataset is None or loc.dataset == dataset) and k[0] not in keep]
+
+    def forget_writes(self, dataset: str | None = None) -> None:
+        """Blocks (of ``dataset``; None: all) being fetched or written now are not kept when
+        their writes end (their readers still get them): after a purge, nothing it was
+        meant to drop comes back from a fetch that was in flight."""
+        self._forgotten[dataset] = self._seq
 
     def size_of(self, key: BlockKey) -> int:
         loc = self._records.get(key)

@@ -101,6 +101,8 @@ class Retention:
             for snap in keep:
                 m = await md.manifest(name, await md.resolve(name, snap))
                 versions.update(m.versions)
+        else:
+            self.store.forget_writes(name)  # and what is in flight stays out too
         return await self.drop_all(self.store.purge_keys(name, versions))
 
     async def purge_versions(self, name: str, versions: set[str]) -> int:
