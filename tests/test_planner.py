@@ -276,6 +276,58 @@ def test_working_set_larger_than_cache_keeps_a_fixed_part() -> None:
     assert all(h.fetched[k] == 1 for k in kept)
 
 
+def test_a_job_starting_beside_a_scan_gets_room_without_taking_any_back() -> None:
+    """A second job reading (its scan not recognised yet) holds back an equal share, so the
+    first job's fill never overshoots what it keeps once the second is recognised: nothing
+    fetched for it is unpinned and fetched again (bench contention's cold phase)."""
+    m = scan_tree()
+    file = 100 * KiB
+    capacity = 120 * file
+    h = Harness(m, scan_threshold=12, capacity=capacity, reserve_bytes=10 * file)
+    train, val = list(m.subtree("train/")), list(m.subtree("val/"))
+    rng = random.Random(3)
+    b_order, a_order = rng.sample(train, len(train)), rng.sample(val, len(val))
+    h.read(a_order[0], job="a")                 # A has begun, not yet a scan
+    for i in b_order[:12]:
+        h.read(i, job="b")                      # B's scan is recognised first
+    h.complete()
+    b_keys = {m.key(i, 0) for i in train}
+    b_pinned = {k for k, n in h.pins.items() if n and k in b_keys}
+    assert len(b_pinned) * file <= (capacity - 10 * file) // 2  # half: A's share held back
+    unpins_before = sum(1 for a in h.actions if isinstance(a, Unpin) and a.key in b_keys)
+    for i in a_order[1:13]:
+        h.read(i, job="a")                      # A recognised: 40 files, less than its half
+    h.complete()
+    assert h.p.stats["scans_detected"] == 2
+    assert sum(1 for a in h.actions if isinstance(a, Unpin) and a.key in b_keys) == (
+        unpins_before)                          # B gave nothing back ...
+    b_now = {k for k, n in h.pins.items() if n and k in b_keys}
+    assert b_now > b_pinned                     # ... and grew into what A does not need
+    assert all(h.fetched[k] == 1 for k in h.fetched)
+    assert h.p.pinned_bytes <= capacity
+
+
+def test_a_reader_that_is_no_scan_stops_holding_a_share() -> None:
+    m = scan_tree()
+    file = 100 * KiB
+    capacity = 120 * file
+    h = Harness(m, scan_threshold=12, capacity=capacity, reserve_bytes=10 * file)
+    train, val = list(m.subtree("train/")), list(m.subtree("val/"))
+    h.read(val[0], job="a")
+    for i in random.Random(4).sample(train, 12):  # B: a scan of all of train/
+        h.read(i, job="b")
+    h.complete()
+    held = sum(1 for n in h.pins.values() if n)
+    assert held * file <= (capacity - 10 * file) // 2
+    hot = val[:3]
+    for _ in range(40):                         # A re-reads a few files: not a scan
+        for i in hot:
+            h.read(i, job="a")
+    h.complete()
+    b_keys = {m.key(i, 0) for i in train}
+    assert sum(1 for k, n in h.pins.items() if n and k in b_keys) > held
+
+
 def test_job_end_releases_pins() -> None:
     m = scan_tree()
     h = Harness(m, scan_threshold=8)

@@ -24,6 +24,12 @@ from spokefs.policy import BlockKey
 # learned working set comes after every such need.
 WORKING_SET_PRIORITY = 1 << 20
 
+# A job reading files whose scan is not recognised yet may be starting one: until it is, or
+# until it has read this many times the scan threshold of distinct files (or four times that
+# in reads) without being one, an equal share of the cache is held back for it
+# (``allocate``).
+PROVISIONAL_READS = 2
+
 # What a fill generator yields: (key, size, priority, reason); reason "pin" asks for a pin.
 _Item = tuple[BlockKey, int, int, str]
 
@@ -47,6 +53,7 @@ class Learner:
     endgame: Iterator[_Item] | None = None
     endgame_done: bool = False  # this epoch's endgame ran
     pending: _Item | None = None  # a fetch the budget held back
+    reads: int = 0  # reads seen (``_provisional``)
 
 
 class WorkingSetPlanner:
@@ -152,10 +159,14 @@ class WorkingSetPlanner:
         scan = ln.scan
         first = not scan.flags[fi] & SEEN
         was_endgame = bool(scan.flags[fi] & ENDGAME)
+        was_provisional = self._provisional(ln)
+        ln.reads += 1
         result = scan.on_read(fi, now)
         if result == "detected":
             self.stats["scans_detected"] += 1
             self.allocate(out, force=ln)
+        elif result is None and self._provisional(ln) != was_provisional:
+            self.allocate(out)  # it starts, or stops, holding a provisional share
         elif result == "widened":
             self.allocate(out, force=ln)
         elif result == "epoch":
@@ -187,16 +198,32 @@ class WorkingSetPlanner:
         between learned working sets: smaller ones get all they need, larger ones an equal
         share of the rest (water-filling). Reselect where a share changed."""
         active = [ln for ln in self.learners.values() if ln.scan.detected]
+        # Jobs that may be starting a scan count as claimants of an equal share that nobody
+        # gets until they are recognised: growing a share later costs nothing, but shrinking
+        # one unpins blocks fetched for it, which others' fills then evict unread and which
+        # cross the link again (bench contention's cold phase moved 1.25x the bytes read
+        # when one job's scan was recognised a few hundred reads before the other's).
+        provisional = sum(1 for ln in self.learners.values() if self._provisional(ln))
         avail = self.settings.capacity - self.settings.reserve_bytes - self.orders.reserved()
         avail = max(0, avail)
         need = sorted(active, key=lambda ln: ln.scan.predicted_bytes())
         for n, ln in enumerate(need):
-            share = avail // (len(need) - n)
+            share = avail // (len(need) - n + provisional)
             alloc = min(ln.scan.predicted_bytes(), share)
             avail -= alloc
             if alloc != ln.alloc or ln is force:
                 ln.alloc = alloc
                 self._select(ln, out)
+
+    @staticmethod
+    def _provisional(ln: Learner) -> bool:
+        """Whether ``ln`` may be starting an epoch scan: reading in its first epoch, not
+        recognised yet, and not past ``PROVISIONAL_READS`` x the threshold (distinct files;
+        four times that in reads, for a job re-reading a few files)."""
+        s = ln.scan
+        return (not s.detected and s.epoch == 0 and ln.reads > 0
+                and s.distinct < PROVISIONAL_READS * s.threshold
+                and ln.reads < 4 * PROVISIONAL_READS * s.threshold)
 
     def _select(self, ln: Learner, out: list[Action]) -> None:
         """Choose the files to keep (all predicted ones when they fit in the allocation; else
