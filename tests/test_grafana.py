@@ -136,7 +136,10 @@ def test_dashboard_covers_what_an_operator_asks() -> None:
                  "spokefs_cache_bytes", "spokefs_cache_capacity_bytes",
                  "spokefs_prefetch_window_bytes", "spokefs_upstream_inflight",
                  "spokefs_fetch_seconds_bucket", "spokefs_cache_evictions_total",
-                 "spokefs_integrity_failures_total", "spokefs_upstream_errors_total"):
+                 "spokefs_integrity_failures_total", "spokefs_upstream_errors_total",
+                 # a namespace's shares (--dataset-config min_share, max_share)
+                 "spokefs_dataset_resident_bytes", "spokefs_dataset_reserved_bytes",
+                 "spokefs_dataset_ceiling_bytes", "spokefs_dataset_in_use"):
         assert name in used, name
 
 
