@@ -14,19 +14,15 @@ folder marker blob lists as an empty file of that name (left out when it is also
 from __future__ import annotations
 
 from collections.abc import Iterator
-from datetime import timedelta
 from typing import TYPE_CHECKING, Any
 
 from spokefs.errors import ConfigError
 from spokefs.origin.base import (
-    CONNECT_TIMEOUT,
-    REQUEST_TIMEOUT,
-    RETRIES,
-    RETRY_TIMEOUT,
     BucketUrl,
     ObjectInfo,
     ObjectStoreOrigin,
     check_endpoint,
+    obstore_options,
 )
 
 if TYPE_CHECKING:
@@ -53,15 +49,9 @@ class AzureOrigin(ObjectStoreOrigin):
             kw: dict[str, Any] = {}
             if self.endpoint is not None:
                 kw["endpoint"] = self.endpoint
+            http = bool(self.endpoint and self.endpoint.startswith("http://"))
             try:
-                self._store = AzureStore(
-                    self.url.bucket,
-                    client_options={"connect_timeout": timedelta(seconds=CONNECT_TIMEOUT),
-                                    "timeout": timedelta(seconds=REQUEST_TIMEOUT),
-                                    "allow_http": bool(self.endpoint and
-                                                       self.endpoint.startswith("http://"))},
-                    retry_config={"max_retries": RETRIES,
-                                  "retry_timeout": timedelta(seconds=RETRY_TIMEOUT)}, **kw)
+                self._store = AzureStore(self.url.bucket, **obstore_options(http), **kw)
             except Exception as exc:  # obstore's configuration errors (no account, ...)
                 raise ConfigError(f"cannot use {self.where}: {exc}") from None
         return self._store

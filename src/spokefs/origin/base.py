@@ -16,6 +16,7 @@ import logging
 import re
 from collections.abc import Iterator
 from dataclasses import dataclass
+from datetime import timedelta
 from typing import TYPE_CHECKING, Any, Protocol
 from urllib.parse import urlsplit
 
@@ -91,6 +92,19 @@ def parse_store_url(source: str) -> BucketUrl:
         raise ConfigError(f"invalid bucket name {bucket!r} in {source!r}")
     prefix = prefix.strip("/")
     return BucketUrl(bucket, f"{prefix}/" if prefix else "", scheme)
+
+
+def obstore_options(allow_http: bool = False) -> dict[str, Any]:
+    """The client and retry settings of every obstore store here (``S3Store(...,
+    **obstore_options())``): the timeouts and retries above; ``allow_http`` for an
+    ``http://`` endpoint (an emulator)."""
+    client: dict[str, Any] = {"connect_timeout": timedelta(seconds=CONNECT_TIMEOUT),
+                              "timeout": timedelta(seconds=REQUEST_TIMEOUT)}
+    if allow_http:
+        client["allow_http"] = True
+    return {"client_options": client,
+            "retry_config": {"max_retries": RETRIES,
+                             "retry_timeout": timedelta(seconds=RETRY_TIMEOUT)}}
 
 
 def check_endpoint(url: str) -> str:

@@ -24,7 +24,6 @@ from __future__ import annotations
 import logging
 import os
 from collections.abc import Iterator
-from datetime import timedelta
 from typing import TYPE_CHECKING, Any
 
 from spokefs.errors import ConfigError
@@ -32,11 +31,11 @@ from spokefs.origin.base import (
     CONNECT_TIMEOUT,
     REQUEST_TIMEOUT,
     RETRIES,
-    RETRY_TIMEOUT,
     BucketUrl,
     ObjectInfo,
     ObjectStoreOrigin,
     check_endpoint,
+    obstore_options,
     parse_store_url,
     safe_url,
 )
@@ -193,9 +192,5 @@ class S3Origin(ObjectStoreOrigin):
             self._store = S3Store(
                 self.url.bucket, region=self.region,
                 credential_provider=Boto3CredentialProvider(self.session),  # type: ignore[arg-type]
-                client_options={"connect_timeout": timedelta(seconds=CONNECT_TIMEOUT),
-                                "timeout": timedelta(seconds=REQUEST_TIMEOUT)},
-                retry_config={"max_retries": RETRIES,
-                              "retry_timeout": timedelta(seconds=RETRY_TIMEOUT)},
-                **kw)
+                **obstore_options(), **kw)
         return self._store

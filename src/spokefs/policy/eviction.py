@@ -118,7 +118,33 @@ def make_policy(name: str, capacity: int | None = None, copies: bool = False,
     return CopiesFirst(policy) if copies else policy
 
 
-class _PinnedBase:
+class KeepsNoCopies:
+    """A tier member's copies (``CopiesFirst``) for a policy that keeps none: a copy is an
+    ordinary block (the store admits none anyway)."""
+
+    def insert(self, key: BlockKey, size: int) -> None:
+        raise NotImplementedError
+
+    @property
+    def keeps_copies(self) -> bool:
+        return False
+
+    @property
+    def copy_bytes(self) -> int:
+        return 0
+
+    def insert_copy(self, key: BlockKey, size: int) -> None:
+        self.insert(key, size)
+
+    def copy_victim(self) -> BlockKey | None:
+        return None
+
+    def reclassify(self, keys: Iterable[BlockKey], is_copy: Callable[[BlockKey], bool]
+                   ) -> int:
+        return 0
+
+
+class _PinnedBase(KeepsNoCopies):
     """Residency and nested pins; subclasses keep only their unpinned ordering.
 
     Subclass hooks: ``_attach(key)`` puts a resident unpinned key into the ordering (new or
@@ -214,26 +240,6 @@ class _PinnedBase:
 
     def __contains__(self, key: object) -> bool:
         return key in self._sizes
-
-    # -- a tier member's copies: a plain policy keeps none ------------------------------------
-    @property
-    def keeps_copies(self) -> bool:
-        return False
-
-    @property
-    def copy_bytes(self) -> int:
-        return 0
-
-    def insert_copy(self, key: BlockKey, size: int) -> None:
-        """Without copies a copy is an ordinary block (the store admits none anyway)."""
-        self.insert(key, size)
-
-    def copy_victim(self) -> BlockKey | None:
-        return None
-
-    def reclassify(self, keys: Iterable[BlockKey], is_copy: Callable[[BlockKey], bool]
-                   ) -> int:
-        return 0
 
     def __repr__(self) -> str:
         return (

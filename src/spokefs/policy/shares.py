@@ -32,10 +32,10 @@ before ``Shares`` wrapped it stay there (an unpin ``Shares`` has no count for go
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
-from spokefs.policy.eviction import BlockKey, EvictionPolicy, make_policy
+from spokefs.policy.eviction import BlockKey, EvictionPolicy, KeepsNoCopies, make_policy
 
 IDLE_S = 600.0  # a reservation is held this long after its dataset's last read (default)
 
@@ -62,7 +62,7 @@ class _Class:
         self.bytes = 0      # what this instance holds
 
 
-class Shares:
+class Shares(KeepsNoCopies):  # a tier member's copies live in CopiesFirst, around this
     """An ``EvictionPolicy`` with a reserved share per dataset; see the module docstring.
 
     ``shared``: the configured policy (it keeps the blocks of datasets without a reservation);
@@ -322,25 +322,6 @@ class Shares:
         fn = getattr(self._future_target(stream), "extend_future", None)
         if fn is not None:
             fn(keys, stream)
-
-    # -- a tier member's copies live in CopiesFirst, around this ---------------------------
-    @property
-    def keeps_copies(self) -> bool:
-        return False
-
-    @property
-    def copy_bytes(self) -> int:
-        return 0
-
-    def insert_copy(self, key: BlockKey, size: int) -> None:
-        self.insert(key, size)
-
-    def copy_victim(self) -> BlockKey | None:
-        return None
-
-    def reclassify(self, keys: Iterable[BlockKey], is_copy: Callable[[BlockKey], bool]
-                   ) -> int:
-        return 0
 
     def __repr__(self) -> str:
         return (f"<Shares shared={self.shared!r} classes="
