@@ -211,3 +211,53 @@ def test_a_pin_of_an_unknown_dataset_stops_the_mount(
     with pytest.raises(MountError, match="--pin is for a namespace mount"):
         MountProcess(f"{s.url}/alpha", mp, "--pin", "alpha@0badc0de",
                      env={"SPOKEFS_TOKEN": READER}).start(timeout=30)
+
+
+@needs_fuse
+def test_the_charts_namespace_mount_container_mounts_reads_and_unmounts(
+        spoke_server: ServerProcess, dataset: Path, tmp_path: Path) -> None:
+    """The mount DaemonSet's container of a namespace release (mount.namespace), run as the
+    kubelet runs it (its command and args, spokefs on PATH) against a real spoke: the whole
+    namespace appears at hostPath, its readiness probe passes, a file reads back, and its
+    preStop hook unmounts and ends it."""
+    pytest.importorskip("helm_python", reason="helm-python-sdk renders the chart")
+    import subprocess
+    import time
+
+    from test_helm_chart import render
+
+    node = tmp_path / "node" / "spokefs"
+    docs = render({"auth": {"enabled": False}, "tls": {"enabled": False},
+                   "hub": {"enabled": False}, "spoke": {"enabled": False},
+                   "mount": {"namespace": True, "spokeUrl": spoke_server.url,
+                             "hostPath": str(node)}})
+    [c] = next(d for d in docs if d["kind"] == "DaemonSet")["spec"]["template"]["spec"][
+        "containers"]
+    env = {**os.environ, "HOME": str(tmp_path),
+           "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}"}
+    log = tmp_path / "mount.log"
+    with log.open("wb") as out:
+        proc = subprocess.Popen([*c["command"], *c["args"]], env=env, stdout=out,
+                                stderr=subprocess.STDOUT)
+    try:
+        end = time.monotonic() + 60
+        while not os.path.ismount(node):
+            assert proc.poll() is None, f"the mount exited {proc.returncode}: {log.read_text()}"
+            assert time.monotonic() < end, f"not mounted in 60 s: {log.read_text()}"
+            time.sleep(0.1)
+        probe = c["readinessProbe"]["exec"]["command"]
+        assert subprocess.run(probe, env=env).returncode == 0
+        assert sorted(os.listdir(node)) == ["ds"]  # the hub's one dataset, as a folder
+        rel = "shards/shard-001.tar"
+        assert (node / "ds" / rel).read_bytes() == (dataset / rel).read_bytes()
+        stop = c["lifecycle"]["preStop"]["exec"]["command"]
+        assert subprocess.run(stop, env=env).returncode == 0
+        assert proc.wait(timeout=30) == 0, log.read_text()
+        assert not os.path.ismount(node)
+        assert subprocess.run(probe, env=env).returncode != 0  # not ready once unmounted
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        if os.path.ismount(node):
+            subprocess.run(["umount", "-l", str(node)], check=False)
