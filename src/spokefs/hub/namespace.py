@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import os
 import tomllib
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -31,6 +30,7 @@ from pathlib import Path
 from typing import Any
 
 from spokefs.errors import ConfigError
+from spokefs.filestamp import Stamp, file_stamp
 from spokefs.hub.snapshot import ScanResult, SnapshotLedger
 from spokefs.origin.base import is_store_url
 from spokefs.units import parse_size
@@ -199,18 +199,12 @@ class Namespace:
         self.defaults = defaults
         self.report = report
         self.specs: dict[str, DatasetSpec] = {}      # the config file's, in force
-        self._stamp: tuple[int, int, int] | None = None
+        self._stamp: Stamp | None = None
         self._lock = asyncio.Lock()                   # one reload at a time
         self._tasks: set[asyncio.Task[bool]] = set()
 
-    def _stat(self) -> tuple[int, int, int] | None:
-        if self.file is None:
-            return None
-        try:
-            st = os.stat(self.file)
-        except OSError:
-            return None
-        return (st.st_ino, st.st_size, st.st_mtime_ns)
+    def _stat(self) -> Stamp | None:
+        return file_stamp(self.file) if self.file is not None else None
 
     def initial(self) -> list[tuple[SnapshotLedger, ScanResult]]:
         """The first namespace, before serving: any error stops the hub (blocking)."""

@@ -34,6 +34,7 @@ from pathlib import Path
 from typing import Any
 
 from spokefs.errors import ConfigError
+from spokefs.filestamp import Stamp, file_stamp, stamp_of
 from spokefs.policy.shares import IDLE_S
 from spokefs.units import parse_duration
 
@@ -127,7 +128,7 @@ class DatasetConfig:
         self.path = path
         self.default = ALLOW_ALL
         self.rules: dict[str, DatasetRules] = {}
-        self._stamp: tuple[int, int, int] | None = None
+        self._stamp: Stamp | None = None
         self.on_change: list[Callable[[], None]] = []  # told after the rules changed
         if path is not None:
             self.reload(strict=True)
@@ -153,7 +154,7 @@ class DatasetConfig:
             log.error("dataset config: keeping the rules in force; %s could not be used: %s",
                       self.path, exc)
             return False
-        self._stamp = (st.st_ino, st.st_size, st.st_mtime_ns)
+        self._stamp = stamp_of(st)
         changed = (default, rules) != (self.default, self.rules)
         self.default, self.rules = default, rules
         if changed and not strict:
@@ -166,11 +167,8 @@ class DatasetConfig:
     def reload_if_changed(self) -> bool:
         if self.path is None:
             return False
-        try:
-            st = os.stat(self.path)
-        except OSError:
-            return False
-        if (st.st_ino, st.st_size, st.st_mtime_ns) == self._stamp:
+        stamp = file_stamp(self.path)
+        if stamp is None or stamp == self._stamp:
             return False
         return self.reload()
 

@@ -26,6 +26,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from spokefs.errors import ConfigError, Forbidden, Unauthorized
+from spokefs.filestamp import Stamp, file_stamp, stamp_of
 
 __all__ = ["Forbidden", "Token", "TokenFile", "Unauthorized", "client_token"]
 
@@ -101,7 +102,7 @@ class TokenFile:
 
     def __init__(self, path: Path) -> None:
         self.path = path
-        self._stamp: tuple[int, int, int] | None = None
+        self._stamp: Stamp | None = None
         self._checked = 0.0
         self._tokens: dict[bytes, Token] = {}
         self.reload(strict=True)
@@ -121,18 +122,15 @@ class TokenFile:
         if self._tokens and tokens != self._tokens:
             log.info("auth: %d tokens from %s", len(tokens), self.path)
         self._tokens = tokens
-        self._stamp = (st.st_ino, st.st_size, st.st_mtime_ns)
+        self._stamp = stamp_of(st)
 
     def _maybe_reload(self) -> None:
         now = time.monotonic()
         if now - self._checked < 1.0:
             return
         self._checked = now
-        try:
-            st = os.stat(self.path)
-        except OSError:
-            return
-        if (st.st_ino, st.st_size, st.st_mtime_ns) != self._stamp:
+        stamp = file_stamp(self.path)
+        if stamp is not None and stamp != self._stamp:
             self.reload()
 
     def check(self, header: str | None) -> Token:
