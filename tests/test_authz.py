@@ -27,8 +27,9 @@ OTHER = "other-" + "o" * 32       # read:elsewhere (no dataset these servers hav
 TIER = "tier-" + "t" * 32         # a tier member's token
 SPOKE = "spoke-" + "s" * 32       # the spoke's own token at the hub
 STRANGER = "stranger-" + "x" * 32  # in no token file
+WRITER = "writer-" + "w" * 32     # write:ds (the hub's ds is writable)
 TOKENS = {"none": None, "stranger": STRANGER, "other": OTHER, "reader": READER,
-          "tier": TIER, "admin": ADMIN}
+          "writer": WRITER, "tier": TIER, "admin": ADMIN}
 WORKERS = 2
 TRIES = 2 * WORKERS  # fresh connections per check: each worker answers some of them
 
@@ -68,11 +69,13 @@ def servers(tmp_path_factory: pytest.TempPathFactory
     secret = make_dataset(root / "secret", n_small=4, big_sizes=(200_000,), seed=7)
     shutil.copy(ds / "class0" / "img0000.jpg", secret / "same.jpg")  # one file in both
     (root / "hub.tokens").write_text(f"spoke read {SPOKE}\nadmin admin {ADMIN}\n"
-                                     f"reader read:ds {READER}\nother read:elsewhere {OTHER}\n")
+                                     f"reader read:ds {READER}\nother read:elsewhere {OTHER}\n"
+                                     f"writer write:ds {WRITER}\n")
     (root / "spoke.tokens").write_text(f"admin admin {ADMIN}\nreader read:ds {READER}\n"
-                                       f"other read:elsewhere {OTHER}\ntier tier {TIER}\n")
+                                       f"other read:elsewhere {OTHER}\ntier tier {TIER}\n"
+                                       f"writer write:ds {WRITER}\n")
     (root / "spoke.token").write_text(SPOKE + "\n")
-    with hub(ds, root / "hubstate", "--dataset", f"secret={secret}",
+    with hub(ds, root / "hubstate", "--dataset", f"secret={secret}", "--writable", "ds",
              "--auth", str(root / "hub.tokens")) as h, \
             spoke(h.url, root / "cache", "256MiB", "--workers", str(WORKERS),
                   "--auth", str(root / "spoke.tokens"),
@@ -85,7 +88,8 @@ def allowed(route: Route, who: str, hub: bool = False) -> bool:
         return True
     if who in ("none", "stranger") or (hub and who == "tier"):  # the hub knows no tier token
         return False
-    return {Scope.TOKEN: True, Scope.READ: who in ("reader", "tier", "admin"),
+    return {Scope.TOKEN: True, Scope.READ: who in ("reader", "writer", "tier", "admin"),
+            Scope.WRITE: who in ("writer", "admin"),
             Scope.ADMIN: who == "admin", Scope.INTERNAL: who == "tier"}[route.scope]
 
 
@@ -102,6 +106,7 @@ def url_of(base: str, route: Route, who: str) -> str:
 def test_every_registered_route_is_in_the_table(tmp_path: Path) -> None:
     """Hub, spoke and replica apps as built: no route without a scope."""
     from spokefs.hub.backend import HubBackend, open_state
+    from spokefs.hub.routes import HubRoutes
     from spokefs.spoke.app import build_spoke_app
     from spokefs.spoke.replica import ReplicaBackend, build_replica_app
     from spokefs.spoke.service import SpokeBackend, SpokeConfig
@@ -111,7 +116,7 @@ def test_every_registered_route_is_in_the_table(tmp_path: Path) -> None:
     state = open_state(str(tmp_path / "d"), "d", str(tmp_path / "st"), 1 << 20)
     try:
         apps = {
-            "hub": build_app(HubBackend([state])),
+            "hub": build_app(backend := HubBackend([state]), {Owner.HUB: HubRoutes(backend)}),
             "spoke": build_spoke_app(SpokeBackend(SpokeConfig(
                 upstream="http://127.0.0.1:9", cache_dir=tmp_path / "c",
                 cache_size=1 << 30))),
@@ -125,7 +130,8 @@ def test_every_registered_route_is_in_the_table(tmp_path: Path) -> None:
                 assert route.scope in Scope
                 seen.add(route)
             # The replica answers every primary route by forwarding, the rest itself.
-            owners = {"hub": {Owner.API, Owner.UI}, "spoke": {Owner.API, Owner.UI, Owner.SPOKE},
+            owners = {"hub": {Owner.API, Owner.UI, Owner.HUB},
+                      "spoke": {Owner.API, Owner.UI, Owner.SPOKE},
                       "replica": {Owner.API, Owner.UI, Owner.REPLICA}}[role]
             want = {r for r in ROUTES if r.owner in owners
                     or (role == "replica" and r.primary)}
@@ -139,7 +145,7 @@ def test_every_route_answers_only_its_scope(servers, who: str) -> None:
     _, _, h, s, _ = servers
     token = TOKENS[who]
     for base, owners in ((s.url, {Owner.API, Owner.UI, Owner.SPOKE}),
-                         (h.url, {Owner.API, Owner.UI})):
+                         (h.url, {Owner.API, Owner.UI, Owner.HUB})):
         for route in ROUTES:
             if route.owner not in owners:
                 continue
@@ -321,7 +327,7 @@ def test_job_owners_leave_when_idle_and_never_silently() -> None:
 def test_the_openapi_document_lists_every_route_with_its_scope(servers) -> None:
     _, _, h, s, _ = servers
     for base, owners in ((s.url, {Owner.API, Owner.UI, Owner.SPOKE}),
-                         (h.url, {Owner.API, Owner.UI})):
+                         (h.url, {Owner.API, Owner.UI, Owner.HUB})):
         doc = json.loads(call("GET", f"{base}/v1/openapi.json").data)
         ops = {(m.upper(), p): op["x-spokefs-scope"] for p, item in doc["paths"].items()
                for m, op in item.items()}

@@ -6,7 +6,10 @@
     ├── VersionGone                 a pinned file version the hub can no longer serve (HTTP 410)
     │                               (also an OSError, errno ESTALE: a stale handle)
     ├── BadRequest                  malformed request or path that tries to escape (HTTP 400)
-    │   └── TooLarge                a body or a list in it past its bound (HTTP 413)
+    │   ├── TooLarge                a body or a list in it past its bound (HTTP 413)
+    │   └── DigestMismatch          uploaded bytes that are not the version declared (HTTP 422)
+    ├── Conflict                    a write out of step: an offset, a path that exists (HTTP 409)
+    ├── NoSpace                     no room for a write (HTTP 507; also an OSError, ENOSPC)
     ├── RangeNotSatisfiable         a range past the end of a file (HTTP 416)
     ├── Unauthorized                no token, or an unknown one (HTTP 401)
     ├── Forbidden                   a token that does not allow the request (HTTP 403)
@@ -137,6 +140,36 @@ class TooLarge(BadRequest):
 
     status = 413
     code = "too_large"
+
+
+class DigestMismatch(BadRequest):
+    """An upload whose bytes do not digest to the version it declared: dropped, nothing
+    published; the writer sends the file again from its first byte."""
+
+    status = 422
+    code = "digest_mismatch"
+
+
+class Conflict(SpokeError):
+    """A write that does not fit what the server holds: an upload resumed at another offset
+    than the bytes received (``details["received"]``), a commit of a path that exists or of
+    an upload not yet whole."""
+
+    status = 409
+    code = "conflict"
+
+    def __init__(self, message: str, received: int | None = None) -> None:
+        super().__init__(message)
+        self.received = received
+        self.details = {} if received is None else {"received": received}
+
+
+class NoSpace(SpokeError, OSError):
+    """No room on the server's disk (or in its quota) for the bytes of a write."""
+
+    status = 507
+    code = "no_space"
+    os_errno = _errno.ENOSPC
 
 
 class Unauthorized(SpokeError, PermissionError):

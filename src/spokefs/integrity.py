@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import hashlib
 from collections.abc import Iterable
+from typing import BinaryIO
 
 import xxhash
 
@@ -41,6 +42,20 @@ def version_id(size: int, block_size: int, digests: Iterable[bytes]) -> str:
     for d in digests:
         h.update(d)
     return h.hexdigest()
+
+
+def stream_digests(f: BinaryIO, block_size: int) -> tuple[int, list[bytes]]:
+    """The bytes ``f`` holds from where it is to its end, cut into blocks: their count in
+    bytes and each block's digest (an upload's check, on either side)."""
+    size, digests = 0, []
+    while data := f.read(block_size):
+        # A raw file may answer short before its end; only a block of block_size or the
+        # last one may be digested as one.
+        while len(data) < block_size and (more := f.read(block_size - len(data))):
+            data += more
+        digests.append(block_digest(data))
+        size += len(data)
+    return size, digests
 
 
 def block_count(size: int, block_size: int) -> int:

@@ -13,7 +13,7 @@ import json
 import os
 import threading
 import time
-from typing import Any
+from typing import Any, BinaryIO
 
 import urllib3
 
@@ -55,10 +55,12 @@ class Client:
         self._auth = bearer(tok)  # type: ignore[arg-type]  # with every request; never logged
 
     def request(self, method: str, path: str, headers: dict[str, str] | None = None,
-                body: bytes | None = None, decode: bool = True, stream: bool = False
-                ) -> urllib3.BaseHTTPResponse:
+                body: bytes | BinaryIO | None = None, decode: bool = True, stream: bool = False,
+                once: bool = False) -> urllib3.BaseHTTPResponse:
         """One request, retried on connection failures until the deadline; an error status
-        raises its SpokeError. ``stream``: the body is left to read (then release_conn())."""
+        raises its SpokeError. ``stream``: the body is left to read (then release_conn()).
+        ``once``: a failed exchange raises its Transient at once (a body read as it is sent
+        cannot be sent again: the caller resumes it)."""
         policy, t0 = UPSTREAM.within(self.deadline), time.monotonic()
         for delay in policy.delays():
             try:
@@ -69,6 +71,8 @@ class Client:
                                                 preload_content=not stream)
             except urllib3.exceptions.HTTPError as exc:
                 err = self._failed(exc)
+                if once:
+                    raise err from exc
                 pause = policy.pause(delay, time.monotonic() - t0)
                 if pause is None:
                     raise UpstreamUnavailable(f"{self.base} unreachable for {self.deadline:g}s: "

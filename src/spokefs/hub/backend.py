@@ -27,7 +27,7 @@ from typing import Any, BinaryIO, Protocol
 
 from prometheus_client import CollectorRegistry, Counter
 
-from spokefs.errors import BadRequest, NotFound, SpokeError, VersionGone
+from spokefs.errors import BadRequest, Forbidden, NotFound, SpokeError, VersionGone
 from spokefs.hub.snapshot import HubState, SnapshotLedger, StoredFile
 from spokefs.integrity import DIGEST_SIZE, block_count
 from spokefs.manifest import Manifest
@@ -299,6 +299,25 @@ class HubBackend(PublishedSnapshots):
     async def read_blocks(self, name: str, blocks: list[tuple[str, int]]) -> list[BlockPart]:
         return await self._of(name).read_blocks(blocks)
 
+    # -- writes (hub/uploads.py) -------------------------------------------------------------
+    def writable(self, name: str) -> HubState:
+        """``name``'s ledger if it takes uploads; Forbidden (whatever the token) if not."""
+        st = self._state(name)
+        if not (isinstance(st, HubState) and st.writable):
+            raise Forbidden(f"dataset {name!r} is read-only on this hub: a writable dataset is a "
+                            f"folder declared so (writable = true in its [datasets.{name}] "
+                            f"table, or --writable {name})")
+        return st
+
+    async def commit(self, name: str, paths: list[str] | None, prefix: str | None
+                     ) -> dict[str, object]:
+        """Whole uploads published together as one new snapshot (in the scans' turn)."""
+        st = self.writable(name)
+        async with self._scan_lock:
+            result, chosen = await asyncio.to_thread(st.commit, paths, prefix)
+        return {"dataset": name, "committed": chosen, "new": result.created_new,
+                "files_hashed": result.files_hashed, **result.snapshot.to_json()}
+
     # -- snapshots and status ----------------------------------------------------------------
     async def create_snapshot(self, name: str) -> dict[str, object]:
         st = self._state(name)
@@ -314,6 +333,11 @@ class HubBackend(PublishedSnapshots):
             latest = doc.get("latest")
             extra = self._reads[name].status(latest["id"] if isinstance(latest, dict)
                                              else None)
+            if isinstance(st, HubState) and st.writable and st.uploads is not None:
+                ups = await asyncio.to_thread(st.uploads.listing)
+                extra = {**extra, "writable": True, "uploads": {
+                    "files": len(ups), "whole": sum(u["whole"] for u in ups),
+                    "bytes_received": sum(u["received"] for u in ups)}}
             out.append({**doc, **extra})
         return {"role": self.role, "datasets": out}
 
@@ -323,11 +347,11 @@ class HubBackend(PublishedSnapshots):
 
 
 def open_state(directory: str, name: str | None, state_dir: str | None,
-               block_size: int) -> HubState:
+               block_size: int, writable: bool = False) -> HubState:
     from spokefs.hub.snapshot import default_state_dir, folder_tag
     from spokefs.wire.paths import check_dataset_name
 
     root = Path(directory).resolve()
     ds = check_dataset_name(name or root.name)
     sdir = Path(state_dir) if state_dir else default_state_dir(folder_tag(root), ds)
-    return HubState(root, sdir, ds, block_size).open()
+    return HubState(root, sdir, ds, block_size, writable).open()

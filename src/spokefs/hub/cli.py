@@ -44,6 +44,10 @@ def register(sub: argparse._SubParsersAction) -> None:
                        help="serve SOURCE (a folder, or s3://, gs://, az:// BUCKET/PREFIX) as "
                        "dataset NAME too (repeat for more; each keeps its state in "
                        "--state-dir/NAME, or its default)")
+    serve.add_argument("--writable", action="append", default=[], metavar="NAME",
+                       help="dataset NAME (DIR's or a --dataset's; a folder) takes uploads and "
+                       "commits from write:NAME tokens (docs/checkpoints.md); in --config: "
+                       "writable = true")
     serve.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
     serve.add_argument("--port", type=int, default=8470, help="port (default 8470; 0 = any)")
     add_auth_arguments(serve)
@@ -69,8 +73,10 @@ def _serve(args: argparse.Namespace) -> int:
     from spokefs.errors import ConfigError
     from spokefs.hub import namespace as ns
     from spokefs.hub.backend import HubBackend
+    from spokefs.hub.routes import HubRoutes
     from spokefs.wire.auth import check_bind
     from spokefs.wire.paths import check_dataset_name
+    from spokefs.wire.routetable import Owner
     from spokefs.wire.run import serve_forever
     from spokefs.wire.server import RELOAD_KEY, build_app
 
@@ -96,6 +102,7 @@ def _serve(args: argparse.Namespace) -> int:
                                     args.dir))
     fixed += [ns.from_flag(spec, args.block_size, args.state_dir, args.endpoint_url)
               for spec in args.dataset]
+    fixed = _writable(fixed, args.writable)
     resolved = getattr(args, "_config", None)
     file: Path | None = resolved.config_file if resolved is not None else None
     if not fixed and file is None:
@@ -117,7 +124,8 @@ def _serve(args: argparse.Namespace) -> int:
             backend.add(st)
             report(st, result)
         check_bind(args.host, args.auth, args.insecure, "hub")
-        app = build_app(backend, auth=args.auth, audit=Audit(args.audit_log))
+        app = build_app(backend, {Owner.HUB: HubRoutes(backend)}, auth=args.auth,
+                        audit=Audit(args.audit_log))
         app[RELOAD_KEY] = [space.request_reload]
 
         async def lifecycle(app: object) -> AsyncIterator[None]:
@@ -137,6 +145,26 @@ def _serve(args: argparse.Namespace) -> int:
         for state in list(backend.states.values()):
             state.close()
     return 0
+
+
+def _writable(fixed: list, names: list[str]) -> list:
+    """``fixed`` with the datasets ``--writable`` names made writable."""
+    import dataclasses
+
+    from spokefs.errors import ConfigError
+    from spokefs.origin.base import is_store_url
+
+    by_name = {s.name: s for s in fixed}
+    for name in names:
+        spec = by_name.get(name)
+        if spec is None:
+            raise ConfigError(f"--writable {name}: no dataset {name!r} given by DIR or --dataset "
+                              "(in a --config file: writable = true in its table)")
+        if is_store_url(spec.source):
+            raise ConfigError(f"--writable {name}: writable datasets are folders; "
+                              f"{spec.source} is an object store")
+        by_name[name] = dataclasses.replace(spec, writable=True)
+    return [by_name[s.name] for s in fixed]
 
 
 def _snapshot(args: argparse.Namespace) -> int:

@@ -9,6 +9,7 @@ the same TOML that holds its other settings (``[hub.serve]``)::
     block_size = "4MiB"                # optional: the hub's --block-size
     state_dir = "/var/lib/spokefs/in"  # optional: --state-dir/NAME, else the default
     endpoint = "http://minio:9000"     # optional, object stores: the hub's --endpoint-url
+    writable = false                   # optional, folders: takes uploads (hub/uploads.py)
 
 The file's tables are read again on SIGHUP and when the file changes (checked every
 ``WATCH_EVERY`` seconds): new datasets are opened and scanned off the event loop and appear
@@ -40,7 +41,7 @@ log = logging.getLogger(__name__)
 
 WATCH_EVERY = 2.0   # seconds between looks at the config file
 OPEN_THREADS = 4    # datasets opened and scanned at once (SQLite and fsync release the GIL)
-KEYS = {"source", "block_size", "state_dir", "endpoint"}
+KEYS = {"source", "block_size", "state_dir", "endpoint", "writable"}
 
 
 @dataclass(frozen=True, slots=True)
@@ -53,10 +54,12 @@ class DatasetSpec:
     state_dir: str | None       # None: the default for its source
     endpoint: str | None
     where: str = ""             # for messages: "--dataset x=..." or "FILE [datasets.x]"
+    writable: bool = False      # takes uploads and commits (a folder only)
 
     @property
     def key(self) -> tuple[object, ...]:
-        return (self.name, self.source, self.block_size, self.state_dir, self.endpoint)
+        return (self.name, self.source, self.block_size, self.state_dir, self.endpoint,
+                self.writable)
 
 
 def _source(raw: str, base: Path | None) -> str:
@@ -114,13 +117,19 @@ def parse_datasets(doc: dict[str, Any], file: Path, block_size: int, state_dir: 
                 bs = parse_size(str(raw))
             except (ValueError, ConfigError) as exc:
                 raise ConfigError(f"{where}: block_size={raw!r}: {exc}") from None
+        writable = norm.get("writable", False)
+        if not isinstance(writable, bool):
+            raise ConfigError(f"{where}: writable must be true or false")
+        if writable and is_store_url(norm["source"]):
+            raise ConfigError(f"{where}: writable datasets are folders; {norm['source']} is an "
+                              "object store")
         sdir = norm.get("state_dir")
         if sdir is not None:
             sdir = _source(sdir, file.parent)
         elif state_dir:
             sdir = f"{state_dir}/{name}"
         out.append(DatasetSpec(name, _source(norm["source"], file.parent), bs, sdir,
-                               norm.get("endpoint", endpoint), where))
+                               norm.get("endpoint", endpoint), where, writable))
     return out
 
 
@@ -147,7 +156,8 @@ def open_dataset(spec: DatasetSpec, show_progress: bool = False
             st = open_bucket(spec.source, spec.name, spec.state_dir, spec.block_size,
                              spec.endpoint)
         else:
-            st = open_state(spec.source, spec.name, spec.state_dir, spec.block_size)
+            st = open_state(spec.source, spec.name, spec.state_dir, spec.block_size,
+                            spec.writable)
     except ConfigError as exc:
         raise ConfigError(f"{spec.where}: {exc}" if spec.where else str(exc)) from None
     try:

@@ -20,12 +20,15 @@ if missing, columns added since are added, nothing is rewritten):
 What a folder's walk publishes, and how it treats a hostile tree: ``origin/folder.py``.
 
 A scan holds no lock that reads need: it walks and hashes with its own database connection, then
-commits in one short transaction and swaps what reads use in one assignment.
+commits in one short transaction and swaps what reads use in one assignment. Scans of one state
+folder take turns, in this process and across processes (``scan.lock``, a flock): a hub's
+commit of uploads (``hub/uploads.py``) and ``spokefs hub snapshot`` never walk the tree at once.
 """
 
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import hashlib
 import logging
 import os
@@ -42,6 +45,7 @@ from tqdm import tqdm
 from spokefs import integrity
 from spokefs.cache.durable import write_durably
 from spokefs.errors import ConfigError, NotFound
+from spokefs.hub.uploads import Incoming, Row
 from spokefs.manifest import Manifest
 from spokefs.origin.folder import (  # noqa: F401  (re-exported: the hub's names for them)
     READ_FLAGS,
@@ -342,16 +346,31 @@ class HubState(SnapshotLedger):
     content_ids = True  # a folder's version ids digest its content (integrity.version_id)
 
     def __init__(self, root: Path, state_dir: Path, name: str,
-                 block_size: int = integrity.DEFAULT_BLOCK_SIZE) -> None:
+                 block_size: int = integrity.DEFAULT_BLOCK_SIZE, writable: bool = False) -> None:
         super().__init__(state_dir, name, block_size)
         self.origin = FolderOrigin(root)
         self.root = self.origin.root
+        self.writable = writable  # takes uploads and commits (hub/uploads.py)
         self._scan_lock = threading.Lock()  # one scan at a time in this process
+        self.uploads: Incoming | None = None  # after open(): the block size is the state's
 
     def open(self) -> HubState:
         self.origin.check()
         super().open()
+        self.uploads = Incoming(self.root, self.state_dir, self.block_size)
         return self
+
+    @contextlib.contextmanager
+    def _scanning(self) -> Iterator[None]:
+        """This state's scan turn: one thread here, one process on the state folder."""
+        with self._scan_lock:
+            fd = os.open(self.state_dir / "scan.lock", os.O_RDWR | os.O_CREAT | os.O_CLOEXEC,
+                         0o600)
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX)
+                yield
+            finally:
+                os.close(fd)  # releases the flock
 
     def usable(self) -> str | None:
         """The ledger's check, and the dataset's folder still a folder."""
@@ -377,20 +396,46 @@ class HubState(SnapshotLedger):
         """Walk the tree, hash what changed, and record a snapshot if the content changed.
         Reads go on meanwhile: the walk and the hashing hold nothing they use."""
         _ = self.db  # raises if open() was not called
-        with self._scan_lock:
-            db = self._connect()
-            try:
-                return self._scan(db, show_progress)
-            finally:
-                db.close()
+        with self._scanning():
+            return self._scan_turn(show_progress)
 
-    def _scan(self, db: sqlite3.Connection, show_progress: bool) -> ScanResult:
+    def commit(self, paths: list[str] | None, prefix: str | None
+               ) -> tuple[ScanResult, list[str]]:
+        """Publish whole uploads (``paths``, or every one under ``prefix``) together: their
+        journal, then a scan that places and records them (``hub/uploads.py``)."""
+        assert self.uploads is not None, "open() was not called"
+        with self._scanning():
+            _, chosen = self.uploads.prepare(paths, prefix)
+            return self._scan_turn(False), chosen
+
+    def _scan_turn(self, show_progress: bool) -> ScanResult:
+        """A scan, in this state's turn: commits a crash left are finished first."""
+        assert self.uploads is not None
+        placed, journals = self.uploads.place()
+        db = self._connect()
+        try:
+            result = self._scan(db, show_progress, placed)
+        finally:
+            db.close()
+        self.uploads.retire(journals)
+        return result
+
+    def _scan(self, db: sqlite3.Connection, show_progress: bool,
+              placed: list[Row] | None = None) -> ScanResult:
+        """``placed``: rows of files a commit put in place now, digested as they came in:
+        recorded as they are when the walk finds them so (no second hashing)."""
         files, dirs = self._walk()
         known = {r[0]: r[1:] for r in db.execute(
             "SELECT path, dev, ino, size, mtime_ns, ctime_ns, src FROM files")}
         todo: list[str] = []
         refill: list[tuple[int, str | None, str]] = []  # unchanged, but dev or src to record
+        digested = {r[0]: r for r in placed or ()}
+        rows: list[tuple[object, ...]] = []
         for p, (st, src) in files.items():
+            r = digested.get(p)
+            if r is not None and src is None and r[1:6] == identity(st):
+                rows.append(r)
+                continue
             k = known.get(p)
             if (k is None or k[1:5] != (st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
                     or k[0] not in (None, st.st_dev)):
@@ -401,7 +446,7 @@ class HubState(SnapshotLedger):
         bar = tqdm(total=todo_bytes, unit="B", unit_scale=True, unit_divisor=1024,
                    desc=f"hashing {len(todo)} files", disable=not show_progress or not todo,
                    leave=False)
-        rows = []
+        n_placed = len(rows)
         hashed_bytes = 0
         try:
             for path in sorted(todo):
@@ -425,12 +470,12 @@ class HubState(SnapshotLedger):
                 db.executemany(_INSERT_FILE, rows)
                 db.executemany("UPDATE files SET dev=?, src=? WHERE path=?", refill)
                 db.executemany("DELETE FROM files WHERE path=?", gone)
-                result = self._record_snapshot(db, dirs, len(rows), hashed_bytes)
+                result = self._record_snapshot(db, dirs, len(rows) - n_placed, hashed_bytes)
             self._load_locked()
         if result.created_new:
             s = result.snapshot
-            log.info("snapshot %s of %s: %d files, %d bytes (%d files hashed)", s.id, self.name,
-                     s.files, s.bytes, len(rows))
+            log.info("snapshot %s of %s: %d files, %d bytes (%d files hashed, %d committed)",
+                     s.id, self.name, s.files, s.bytes, len(rows) - n_placed, n_placed)
         return result
 
     def _record_snapshot(self, db: sqlite3.Connection, dirs: list[str], n_hashed: int,

@@ -7,7 +7,9 @@ target is a file the walk publishes anyway (inside the root), and then the entry
 file's content, read from the target. The tree may be hostile or changing while it is walked:
 folders and files are opened without following symlinks and checked to be the inode the
 listing showed, only regular files are read (a FIFO or device never blocks a scan), and names
-that are not valid UTF-8 are left out with a warning (a manifest is JSON text).
+that are not valid UTF-8 are left out with a warning (a manifest is JSON text). A folder named
+``INCOMING`` at the root is the hub's (uploads to a writable dataset not yet committed,
+``hub/uploads.py``) and is never published.
 """
 
 from __future__ import annotations
@@ -29,6 +31,8 @@ log = logging.getLogger(__name__)
 # swapped over a published file), never inherited by a child process.
 READ_FLAGS = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
 _DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
+# At a dataset's root: the hub's uploads before their commit; never walked, never published.
+INCOMING = ".spokefs-incoming"
 
 Identity = tuple[int, int, int, int, int]
 
@@ -169,6 +173,8 @@ class FolderOrigin:
                     continue
                 with os.scandir(fd) as it:
                     for de in it:
+                        if not rel and de.name == INCOMING:
+                            continue
                         path = f"{rel}/{de.name}" if rel else de.name
                         if not _is_utf8(de.name):
                             log.warning("skipping %r: its name is not valid UTF-8, so it cannot "

@@ -2,11 +2,13 @@
 
 A server started with ``--auth FILE`` reads one token a line, ``NAME SCOPE TOKEN`` (``#``
 comments and blank lines allowed), SCOPE being ``admin``, ``read`` (every dataset) or
-``read:DS1,DS2``, or ``tier`` (what a spoke tier's members present to each other: the
-routes only the spoke's own processes and members may call, read of every dataset, no admin;
-see ``wire.routetable``). The file is read again when it changes (checked at most once a second) and
-on SIGHUP. Every request names its token in ``Authorization: Bearer TOKEN``; without one the
-answer is 401, with one that does not allow the request 403, both saying which.
+``read:DS1,DS2``, ``write:DS1,DS2`` (read and write of those datasets: uploads and commits
+to a writable dataset, ``hub/uploads.py``), or ``tier`` (what a spoke tier's members
+present to each other: the routes only the spoke's own processes and members may call, read
+of every dataset, no admin; see ``wire.routetable``). The file is read again when it changes
+(checked at most once a second) and on SIGHUP. Every request names its token in
+``Authorization: Bearer TOKEN``; without one the answer is 401, with one that does not allow
+the request 403, both saying which.
 
 Which route needs which scope is said once, in ``wire.routetable.ROUTES``.
 
@@ -42,11 +44,15 @@ class Token:
     admin: bool
     datasets: frozenset[str] | None  # None: every dataset
     internal: bool = False  # a tier member's token, or the spoke's own processes
+    writes: frozenset[str] = frozenset()  # the datasets it may write (an admin: every one)
 
     def may_read(self, dataset: str | None) -> bool:
         if self.admin or self.datasets is None:
             return True
         return dataset is not None and dataset in self.datasets
+
+    def may_write(self, dataset: str | None) -> bool:
+        return self.admin or (dataset is not None and dataset in self.writes)
 
     @property
     def scope(self) -> str:
@@ -54,6 +60,8 @@ class Token:
             return "admin"
         if self.internal:
             return "tier"
+        if self.writes:
+            return "write:" + ",".join(sorted(self.writes))
         return "read" if self.datasets is None else "read:" + ",".join(sorted(self.datasets))
 
 
@@ -82,9 +90,12 @@ def parse_tokens(text: str, where: str = "token file") -> dict[bytes, Token]:
             token = Token(name, False, None, internal=True)
         elif scope.startswith("read:") and all(scope[5:].split(",")):
             token = Token(name, False, frozenset(scope[5:].split(",")))
+        elif scope.startswith("write:") and all(scope[6:].split(",")):
+            writable = frozenset(scope[6:].split(","))
+            token = Token(name, False, writable, writes=writable)
         else:
             raise ConfigError(f"{where} line {n}: scope {scope!r} is not admin, read, "
-                              "read:DS1,DS2 or tier")
+                              "read:DS1,DS2, write:DS1,DS2 or tier")
         if len(secret) < 16:
             raise ConfigError(f"{where} line {n}: token of {name!r} is shorter than 16 "
                               "characters; use e.g. `openssl rand -hex 24`")

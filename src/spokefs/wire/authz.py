@@ -141,6 +141,11 @@ def auth_middleware(tokens: TokenFile, internal_key: Callable[[], bytes | None] 
             if not token.may_read(ds):
                 raise Forbidden(f"token {token.name!r} ({token.scope}) may not read dataset "
                                 f"{ds!r}")
+        if route.scope is Scope.WRITE:
+            ds = _dataset_of(request)
+            if not token.may_write(ds):
+                raise Forbidden(f"token {token.name!r} ({token.scope}) may not write dataset "
+                                f"{ds!r}: that needs a write:{ds} or admin token")
 
     async def checked(request: web.Request, handler: Callable) -> web.StreamResponse:
         route = route_of(request)

@@ -32,11 +32,14 @@ from spokefs.errors import (
     BadRequest,
     BadUpstream,
     ConfigError,
+    Conflict,
+    DigestMismatch,
     Failure,
     Forbidden,
     IntegrityError,
     LimitReached,
     ManifestError,
+    NoSpace,
     NotFound,
     RangeNotSatisfiable,
     RateLimited,
@@ -71,7 +74,10 @@ def _number(value: object, default: float) -> float:
 _BY_CODE: dict[str, tuple[int, _Make]] = {
     cls.code: (cls.status, _simple(cls)) for cls in (
         NotFound, VersionGone, BadRequest, TooLarge, Unauthorized, Forbidden, LimitReached,
-        IntegrityError, ConfigError, BadUpstream, UntrustedCertificate, ManifestError)}
+        IntegrityError, ConfigError, BadUpstream, UntrustedCertificate, ManifestError,
+        DigestMismatch, NoSpace)}
+_BY_CODE[Conflict.code] = (Conflict.status, lambda message, err: Conflict(
+    message, int(_number(err["received"], 0)) if "received" in err else None))
 _BY_CODE[RateLimited.code] = (RateLimited.status, lambda message, err: RateLimited(
     message, _number(err.get("retry_after"), 1.0)))
 _BY_CODE[RangeNotSatisfiable.code] = (RangeNotSatisfiable.status, lambda message, err:
@@ -82,7 +88,8 @@ _BY_CODE[UpstreamUnavailable.code] = (UpstreamUnavailable.status, lambda message
 # A body without a code we know (another server, a proxy): by the status alone.
 _BY_STATUS: dict[int, _Make] = {
     400: _simple(BadRequest), 401: _simple(Unauthorized), 403: _simple(Forbidden),
-    404: _simple(NotFound), 410: _simple(VersionGone), 413: _simple(TooLarge),
+    404: _simple(NotFound), 409: _BY_CODE[Conflict.code][1], 410: _simple(VersionGone),
+    413: _simple(TooLarge), 422: _simple(DigestMismatch), 507: _simple(NoSpace),
     416: _BY_CODE[RangeNotSatisfiable.code][1], 429: _simple(LimitReached),
     502: _simple(BadUpstream), 503: _BY_CODE[UpstreamUnavailable.code][1],
     504: lambda message, err: UpstreamUnavailable(message, "", "no answer", Failure.NO_ANSWER)}

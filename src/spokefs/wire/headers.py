@@ -19,3 +19,7 @@ H_INTERNAL = "X-Spokefs-Internal"
 # ``copy``: from its cache only (a handoff).
 H_PEER = "X-Spokefs-Peer"
 H_MEMBER = "X-Spokefs-Member"  # the asking tier member's URL, with X-Spokefs-Peer
+# An upload (``hub/uploads.py``): the whole file's size, and where this body starts in it.
+# The version it must digest to is ``H_VERSION``.
+H_SIZE = "X-Spokefs-Size"
+H_OFFSET = "X-Spokefs-Offset"

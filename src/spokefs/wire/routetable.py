@@ -14,6 +14,8 @@ Scopes:
 - ``token``: any token the server knows; the answer holds only what the token may read
   (``/v1/datasets``, ``/v1/status``, the root index, ``/metrics``).
 - ``read``: read of the dataset the path names (``{ds}``, or the dataset of ``{ref}``).
+- ``write``: write of the dataset the path names (a ``write:DS`` or admin token): uploads
+  to a writable dataset and their commits (``hub/uploads.py``).
 - ``admin``: an admin token (purge, warm-up, pins, residency, inventory, snapshots).
 - ``internal``: the spoke's own processes (replica workers over their unix socket; a mount
   on the spoke's host, which presents the cache folder's key) and tier members (a token of
@@ -31,7 +33,7 @@ from typing import Any
 
 from aiohttp import web
 
-from spokefs.wire.headers import H_JOB, H_READER, H_SNAPSHOT
+from spokefs.wire.headers import H_JOB, H_OFFSET, H_READER, H_SIZE, H_SNAPSHOT, H_VERSION
 from spokefs.wire.paths import NAME as DATASET_NAME
 
 
@@ -39,16 +41,18 @@ class Scope(enum.StrEnum):
     PUBLIC = "public"
     TOKEN = "token"
     READ = "read"
+    WRITE = "write"
     ADMIN = "admin"
     INTERNAL = "internal"
 
 
 class Owner(enum.StrEnum):
-    """Whose handler answers: every server's API, the spoke's own routes, a replica
-    worker's, the dashboard's files."""
+    """Whose handler answers: every server's API, the spoke's own routes, the hub's own
+    (writes), a replica worker's, the dashboard's files."""
 
     API = "api"
     SPOKE = "spoke"
+    HUB = "hub"
     REPLICA = "replica"
     UI = "ui"
 
@@ -66,8 +70,9 @@ class Route:
     ok: tuple[int, ...] = (200,)  # the statuses of a success (the OpenAPI document's)
 
 
-_A, _S, _R, _U = Owner.API, Owner.SPOKE, Owner.REPLICA, Owner.UI
+_A, _S, _H, _R, _U = Owner.API, Owner.SPOKE, Owner.HUB, Owner.REPLICA, Owner.UI
 _DS = "/v1/datasets/{ds}"
+_UP = _DS + "/uploads"
 _JOB = _DS + "/jobs/{job}"
 
 ROUTES: tuple[Route, ...] = (
@@ -96,6 +101,18 @@ ROUTES: tuple[Route, ...] = (
           summary="reads served from the cache files elsewhere (same-host readers)"),
     Route("POST", "/v1/workers/counts", "counts", Scope.INTERNAL, _S, primary=True,
           summary="a replica worker's counters"),
+    # The hub's own (hub.routes.HubRoutes): writes to a writable dataset.
+    Route("GET", _UP, "uploads", Scope.WRITE, _H,
+          summary="a writable dataset's uploads not yet committed"),
+    Route("PUT", _UP + "/{path:.*}", "upload", Scope.WRITE, _H, ok=(200, 201),
+          summary="bytes of a file to publish, from an offset (resumable), checked whole "
+          "against the version declared"),
+    Route("GET", _UP + "/{path:.*}", "upload_state", Scope.WRITE, _H,
+          summary="how much of an upload was received, and whether it is whole"),
+    Route("DELETE", _UP + "/{path:.*}", "discard_upload", Scope.WRITE, _H,
+          summary="drop an upload not yet committed"),
+    Route("POST", _DS + "/commit", "commit", Scope.WRITE, _H, ok=(201,),
+          summary="publish whole uploads together, as one new snapshot"),
     # A replica worker's own.
     Route("POST", "/v1/workers/flush", "flush", Scope.INTERNAL, _R,
           summary="a replica worker reports what it counted now"),
@@ -209,6 +226,7 @@ def _header(name: str, schema: dict[str, object], about: str) -> dict[str, objec
             "description": about}
 
 
+_INT_HEADER = {"type": "string", "pattern": "^[0-9]{1,19}$"}
 _RANGE = _header("Range", {"type": "string", "pattern": "^bytes=[0-9]*-[0-9]*$"},
                  "one byte range (RFC 9110): bytes=START-END, START- or -SUFFIX")
 _STREAM = [_header(H_READER, {"type": "string", "maxLength": 200},
@@ -219,7 +237,16 @@ HEADERS: dict[str, list[dict[str, object]]] = {
     "get_object": [_RANGE, _header(H_SNAPSHOT, _SNAPSHOT, "the snapshot the reader reads "
                                    "from: a spoke keeps its files cached"), *_STREAM],
     "plain_read": [_RANGE, *_STREAM],
+    "upload": [
+        _header(H_SIZE, {**_INT_HEADER}, "the whole file's size in bytes (required)"),
+        _header(H_VERSION, _VERSION, "the version the whole file digests to (required): "
+                "integrity.version_id over the dataset's block size"),
+        _header(H_OFFSET, {**_INT_HEADER}, "where this body starts in the file (default 0): "
+                "the bytes received so far, to resume"),
+    ],
 }
+# handler -> a body of raw bytes, not JSON.
+RAW_BODIES = {"upload"}
 _INT = {"type": "integer", "minimum": 0, "maximum": (1 << 63) - 1}
 _TEXT = {"type": "string", "maxLength": 4096}
 _FLAG = {"type": "boolean"}
@@ -265,6 +292,7 @@ BODIES: dict[str, dict[str, object]] = {
     "counts": _object({}, additionalProperties=_INT, maxProperties=64),
     "flush": _object({}),
     "create_snapshot": _object({}),
+    "commit": _object({"paths": {"type": "array", "items": _TEXT}, "prefix": _TEXT}),
     "read_blocks": _object({"blocks": _BLOCKS}, "blocks"),
     "digests": _object({"versions": {"type": "array", "minItems": 1, "items": _VERSION}},
                        "versions"),
@@ -283,9 +311,13 @@ _STATUSES = {
     401: "no token, or one the server does not know",
     403: "a token that does not allow this request", 404: "no such dataset, snapshot, path",
     410: "a file version the hub can no longer serve", 413: "a body, or a list in it, too large",
-    416: "a range past the end of the file", 429: "the server's table of jobs is full",
+    409: "out of step: an upload resumed at another offset, a commit of a path that exists",
+    416: "a range past the end of the file",
+    422: "the uploaded bytes are not the version declared (dropped: send it again)",
+    429: "the server's table of jobs is full",
     502: "the upstream's answer was refused", 503: "the upstream is unavailable, or the "
-    "server is out of file descriptors (Retry-After)"}
+    "server is out of file descriptors (Retry-After)",
+    507: "no room on the server's disk for the upload"}
 
 
 def _answers(r: Route, body: bool) -> dict[str, object]:
@@ -300,6 +332,8 @@ def _answers(r: Route, body: bool) -> dict[str, object]:
         codes |= {413}
     if r.scope in (Scope.READ, Scope.ADMIN, Scope.INTERNAL):  # what a spoke asks its upstream
         codes |= {410, 502}
+    if r.scope is Scope.WRITE:  # out of step, digest mismatch, no room
+        codes |= {409} | ({422, 507} if r.handler in ("upload", "commit") else set())
     if "version" in r.path or r.handler == "plain_read":
         codes |= {416}
     if r.job:
@@ -333,9 +367,14 @@ def openapi(owners: Iterable[Owner], title: str) -> dict[str, object]:
         if r.scope is not Scope.PUBLIC:
             op["security"] = [{"bearer": []}]
         if body:
-            schema = BODIES.get(r.handler, _object({}))
-            op["requestBody"] = {"required": "required" in schema, "content": {
-                "application/json": {"schema": schema}}}
+            if r.handler in RAW_BODIES:
+                op["requestBody"] = {"required": True, "content": {
+                    "application/octet-stream": {"schema": {"type": "string",
+                                                            "format": "binary"}}}}
+            else:
+                schema = BODIES.get(r.handler, _object({}))
+                op["requestBody"] = {"required": "required" in schema, "content": {
+                    "application/json": {"schema": schema}}}
         paths.setdefault(path, {})[r.method.lower()] = op
     return {"openapi": "3.1.0", "info": {"title": title, "version": "1"},
             "components": {"securitySchemes": {"bearer": {"type": "http", "scheme": "bearer"}},

@@ -1,0 +1,171 @@
+"""Writing files into a writable dataset of a hub: resumable uploads, then one commit that
+publishes them together as a new snapshot (the hub's side: ``spokefs.hub.uploads``).
+
+    up = Uploader("http://hub:8470", "ckpt")           # token: SPOKEFS_TOKEN or token=
+    up.put("step-100/rank0.pt", Path("/local/rank0.pt"))
+    up.put("step-100/.metadata", Path("/local/.metadata"))
+    up.commit(prefix="step-100/")                        # readers see all of step-100 or none
+
+``put`` digests the file first (the version it declares, over the dataset's block size),
+then sends it from the bytes the hub already holds: a put that broke off, or one run again
+after a crash, sends only the rest. A file changed while it was sent is refused by the hub
+(422: its bytes are not the version declared) and sent again from its new content, up to
+``tries`` times.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, BinaryIO
+from urllib.parse import quote
+
+from spokefs import integrity
+from spokefs.client.sync import Client
+from spokefs.errors import Conflict, DigestMismatch, NotFound, Transient, UpstreamUnavailable
+from spokefs.retry import UPSTREAM
+from spokefs.wire.auth import FROM_ENV
+from spokefs.wire.headers import H_OFFSET, H_SIZE, H_VERSION
+
+
+@dataclass(frozen=True, slots=True)
+class Sent:
+    """One ``put``: the path, its size and version, and the bytes this call sent (less than
+    the size when it resumed)."""
+
+    path: str
+    size: int
+    version: str
+    sent: int
+
+
+def file_version(f: BinaryIO, block_size: int) -> tuple[int, str]:
+    """``f``'s size and version id (read from its start)."""
+    f.seek(0)
+    size, digests = integrity.stream_digests(f, block_size)
+    return size, integrity.version_id(size, block_size, digests)
+
+
+class Uploader:
+    def __init__(self, hub: str, dataset: str, token: str | object | None = FROM_ENV,
+                 deadline: float = 60.0, timeout: float = 300.0) -> None:
+        self.client = Client(hub, deadline=deadline, timeout=timeout, token=token)
+        self.dataset = dataset
+        self._block_size: int | None = None
+
+    @property
+    def block_size(self) -> int:
+        if self._block_size is None:
+            doc = self.client.get_json(f"/v1/datasets/{quote(self.dataset)}")
+            self._block_size = int(doc["block_size"])
+        return self._block_size
+
+    def _url(self, path: str) -> str:
+        return f"/v1/datasets/{quote(self.dataset)}/uploads/{quote(path)}"
+
+    def state(self, path: str) -> dict[str, Any] | None:
+        """What the hub holds of an upload of ``path`` (received, whole), or None."""
+        try:
+            return dict(self.client.get_json(self._url(path)))
+        except NotFound:
+            return None
+
+    def listing(self) -> list[dict[str, Any]]:
+        return list(self.client.get_json(f"/v1/datasets/{quote(self.dataset)}/uploads")
+                    ["uploads"])
+
+    def discard(self, path: str) -> None:
+        self.client.request("DELETE", self._url(path))
+
+    def put(self, path: str, source: Path, tries: int = 3) -> Sent:
+        """``source``'s bytes as ``path``, whole and checked at the hub (not yet published:
+        ``commit``)."""
+        with open(source, "rb") as f:
+            for attempt in range(tries):
+                size, version = file_version(f, self.block_size)
+                try:
+                    return self._send(path, f, size, version)
+                except DigestMismatch:
+                    if attempt == tries - 1:
+                        raise
+        raise AssertionError("unreachable")
+
+    def _send(self, path: str, f: BinaryIO, size: int, version: str) -> Sent:
+        """Sent from what the hub holds; a broken exchange asks again what it holds and
+        goes on from there, until the client's deadline passes with no progress."""
+        policy, t0 = UPSTREAM.within(self.client.deadline), time.monotonic()
+        sent = 0
+        for delay in policy.delays():
+            held = self.state(path)
+            offset = 0
+            if held is not None and (held["size"], held["version"]) == (size, version):
+                offset = int(held["received"])
+                if held["whole"]:
+                    return Sent(path, size, version, sent)
+            f.seek(offset)
+            headers = {H_SIZE: str(size), H_VERSION: version, H_OFFSET: str(offset),
+                       "Content-Type": "application/octet-stream",
+                       "Content-Length": str(size - offset)}
+            try:
+                # Streamed as it is read; the hub flushes what arrived before it answers.
+                resp = self.client.request("PUT", self._url(path), headers,
+                                           body=_Window(f, size - offset), once=True)
+            except (Transient, Conflict) as exc:
+                # Broken off, or out of step with the hub (an earlier send of this file still
+                # being received there): ask again what it holds, and go on from there.
+                now = self.state(path)
+                if now is not None and int(now["received"]) > offset:
+                    sent += int(now["received"]) - offset
+                    t0 = time.monotonic()  # progress: the deadline counts from here
+                pause = policy.pause(delay, time.monotonic() - t0)
+                if pause is None:
+                    if isinstance(exc, Conflict):
+                        raise
+                    raise UpstreamUnavailable(f"{path}: the upload made no progress for "
+                                              f"{self.client.deadline:g}s: {exc}",
+                                              self.client.base, str(exc), exc.kind) from exc
+                time.sleep(pause)
+                continue
+            doc = resp.json()
+            sent += size - offset
+            if not doc.get("whole"):
+                raise OSError(f"{path}: the hub holds {doc.get('received')} of {size} bytes "
+                              "after the whole body was sent")
+            return Sent(path, size, version, sent)
+        raise AssertionError("unreachable")
+
+    def commit(self, paths: list[str] | None = None, prefix: str | None = None
+               ) -> dict[str, Any]:
+        """Publish whole uploads (``paths``, or every one under ``prefix``) as one snapshot;
+        its document (``id``, ``committed``)."""
+        doc: dict[str, Any] = {"paths": paths} if paths is not None else {"prefix": prefix}
+        return dict(self.client.post_json(f"/v1/datasets/{quote(self.dataset)}/commit", doc))
+
+
+class _Window:
+    """The next ``left`` bytes of ``f`` as a readable body (a file changed meanwhile sends
+    what it holds; the hub's digest check refuses it)."""
+
+    def __init__(self, f: BinaryIO, left: int) -> None:
+        self.f, self.left = f, left
+
+    def read(self, n: int = -1) -> bytes:
+        want = self.left if n < 0 else min(n, self.left)
+        data = self.f.read(want) if want else b""
+        self.left -= len(data)
+        return data
+
+
+def put_tree(up: Uploader, local: Path, prefix: str) -> list[Sent]:
+    """Every regular file under ``local`` put as ``prefix/RELATIVE``, in path order."""
+    out = []
+    for dirpath, dirnames, filenames in os.walk(local):
+        dirnames.sort()
+        for name in sorted(filenames):
+            full = Path(dirpath, name)
+            if full.is_file() and not full.is_symlink():
+                rel = full.relative_to(local).as_posix()
+                out.append(up.put(f"{prefix.rstrip('/')}/{rel}" if prefix else rel, full))
+    return out
