@@ -11,6 +11,8 @@ import json
 import os
 import random
 import socket
+import subprocess
+import sys
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 
@@ -379,3 +381,34 @@ def test_a_body_cut_short_keeps_what_arrived_and_resumes_from_it(writable, tmp_p
     up.commit(paths=["cut.pt"])
     e = files_of(h.url, "ckpt")["cut.pt"]
     assert read_back(h.url, "ckpt", e["version"], len(data)) == data
+
+
+def test_ckpt_push_uploads_a_folder_and_publishes_it(writable, tmp_path) -> None:
+    """The CLI, as a user runs it: push (resumed when run again), uploads, commit."""
+    h, ckpt, _ = writable
+    local = tmp_path / "step-7"
+    (local / "sub").mkdir(parents=True)
+    (local / "model.pt").write_bytes(random.Random(2).randbytes(2 * BLOCK + 9))
+    (local / "sub" / ".metadata").write_bytes(b"meta")
+    env = {**os.environ, "SPOKEFS_TOKEN": WRITER}
+
+    def cli(*args: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run([sys.executable, "-m", "spokefs.cli", "ckpt", *args], env=env,
+                              capture_output=True, text=True, timeout=60)
+
+    r = cli("push", str(local), f"{h.url}/ckpt/runs/step-7", "--no-commit")
+    assert r.returncode == 0 and "uploaded 2 files" in r.stdout, r.stderr
+    r = cli("uploads", f"{h.url}/ckpt/runs")
+    assert r.returncode == 0 and "runs/step-7/model.pt" in r.stdout, r.stderr
+    assert not (ckpt / "runs").exists()
+    r = cli("push", str(local), f"{h.url}/ckpt/runs/step-7")  # again: nothing sent, committed
+    assert r.returncode == 0 and "(0 sent now" in r.stdout and "published 2 files" in r.stdout
+    assert (ckpt / "runs/step-7/sub/.metadata").read_bytes() == b"meta"
+    assert sorted(p for p in files_of(h.url, "ckpt") if p.startswith("runs/")) == [
+        "runs/step-7/model.pt", "runs/step-7/sub/.metadata"]
+    # A reader's token is refused with the reason, and exits 2.
+    env["SPOKEFS_TOKEN"] = READER
+    r = cli("push", str(local), f"{h.url}/ckpt/runs/step-8")
+    assert r.returncode == 2 and "may not write dataset 'ckpt'" in r.stderr, r.stderr
+    r = cli("commit", f"{h.url}/ckpt")
+    assert r.returncode == 2 and "name the folder to commit" in r.stderr, r.stderr

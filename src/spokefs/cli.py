@@ -30,6 +30,7 @@ COMMAND_MODULES = [
     "spokefs.csi.cli",
     "spokefs.wan.cli",
     "spokefs.client.cli",
+    "spokefs.client.ckpt",
     "spokefs_bench.cli",
     "spokefs_bench.demo",
 ]

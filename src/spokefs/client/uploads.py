@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import os
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, BinaryIO
@@ -79,20 +80,22 @@ class Uploader:
     def discard(self, path: str) -> None:
         self.client.request("DELETE", self._url(path))
 
-    def put(self, path: str, source: Path, tries: int = 3) -> Sent:
+    def put(self, path: str, source: Path, tries: int = 3,
+            progress: Callable[[int], object] | None = None) -> Sent:
         """``source``'s bytes as ``path``, whole and checked at the hub (not yet published:
-        ``commit``)."""
+        ``commit``). ``progress``: called with the count of each piece sent."""
         with open(source, "rb") as f:
             for attempt in range(tries):
                 size, version = file_version(f, self.block_size)
                 try:
-                    return self._send(path, f, size, version)
+                    return self._send(path, f, size, version, progress)
                 except DigestMismatch:
                     if attempt == tries - 1:
                         raise
         raise AssertionError("unreachable")
 
-    def _send(self, path: str, f: BinaryIO, size: int, version: str) -> Sent:
+    def _send(self, path: str, f: BinaryIO, size: int, version: str,
+              progress: Callable[[int], object] | None) -> Sent:
         """Sent from what the hub holds; a broken exchange asks again what it holds and
         goes on from there, until the client's deadline passes with no progress."""
         policy, t0 = UPSTREAM.within(self.client.deadline), time.monotonic()
@@ -111,7 +114,8 @@ class Uploader:
             try:
                 # Streamed as it is read; the hub flushes what arrived before it answers.
                 resp = self.client.request("PUT", self._url(path), headers,
-                                           body=_Window(f, size - offset), once=True)
+                                           body=_Window(f, size - offset, progress),
+                                           once=True)
             except (Transient, Conflict) as exc:
                 # Broken off, or out of step with the hub (an earlier send of this file still
                 # being received there): ask again what it holds, and go on from there.
@@ -148,18 +152,24 @@ class _Window:
     """The next ``left`` bytes of ``f`` as a readable body (a file changed meanwhile sends
     what it holds; the hub's digest check refuses it)."""
 
-    def __init__(self, f: BinaryIO, left: int) -> None:
-        self.f, self.left = f, left
+    def __init__(self, f: BinaryIO, left: int,
+                 progress: Callable[[int], object] | None = None) -> None:
+        self.f, self.left, self.progress = f, left, progress
 
     def read(self, n: int = -1) -> bytes:
         want = self.left if n < 0 else min(n, self.left)
         data = self.f.read(want) if want else b""
         self.left -= len(data)
+        if self.progress is not None and data:
+            self.progress(len(data))
         return data
 
 
-def put_tree(up: Uploader, local: Path, prefix: str) -> list[Sent]:
-    """Every regular file under ``local`` put as ``prefix/RELATIVE``, in path order."""
+def tree_files(local: Path, prefix: str) -> list[tuple[str, Path]]:
+    """Every regular file under ``local`` (a file: itself) as (``prefix/RELATIVE``, its
+    path), in path order; symlinks are not followed."""
+    if local.is_file():
+        return [(prefix.strip("/") or local.name, local)]
     out = []
     for dirpath, dirnames, filenames in os.walk(local):
         dirnames.sort()
@@ -167,5 +177,11 @@ def put_tree(up: Uploader, local: Path, prefix: str) -> list[Sent]:
             full = Path(dirpath, name)
             if full.is_file() and not full.is_symlink():
                 rel = full.relative_to(local).as_posix()
-                out.append(up.put(f"{prefix.rstrip('/')}/{rel}" if prefix else rel, full))
+                out.append((f"{prefix.strip('/')}/{rel}" if prefix.strip("/") else rel, full))
     return out
+
+
+def put_tree(up: Uploader, local: Path, prefix: str,
+             progress: Callable[[int], object] | None = None) -> list[Sent]:
+    """Every regular file under ``local`` put as ``prefix/RELATIVE``, in path order."""
+    return [up.put(path, full, progress=progress) for path, full in tree_files(local, prefix)]

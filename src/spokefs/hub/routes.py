@@ -16,6 +16,7 @@ from spokefs.wire.headers import H_OFFSET, H_SIZE, H_VERSION
 from spokefs.wire.paths import check_dataset_name
 from spokefs.wire.server import check_version
 
+
 def _int_header(request: web.Request, name: str, default: int | None = None) -> int:
     raw = request.headers.get(name)
     if raw is None:
