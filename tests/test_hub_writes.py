@@ -13,6 +13,7 @@ import random
 import socket
 import subprocess
 import sys
+import time
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 
@@ -61,6 +62,16 @@ def files_of(base: str, ds: str, token: str = READER) -> dict[str, dict]:
     m = Client(base, token=token).manifest(ds, "latest")
     return {p: {"size": n, "version": v} for p, n, v in zip(m.paths, m.sizes, m.versions,
                                                              strict=True)}
+
+
+def metric(base: str, name: str, **labels: str) -> float:
+    text = pool.request("GET", f"{base}/metrics",
+                        headers={"Authorization": f"Bearer {ADMIN}"}).data.decode()
+    total = 0.0
+    for line in text.splitlines():
+        if line.startswith(name + "{") and all(f'{k}="{v}"' in line for k, v in labels.items()):
+            total += float(line.rsplit(" ", 1)[1])
+    return total
 
 
 def read_back(base: str, ds: str, version: str, size: int, token: str = READER) -> bytes:
@@ -120,6 +131,10 @@ def test_a_commit_publishes_every_file_at_once_and_the_old_snapshot_stays(writab
     # The snapshot before still lists what it had, and only that.
     old = Client(h.url, token=READER).manifest("ckpt", before)
     assert old.paths == ["old/step-0.pt"]
+    # Counted: the bytes received and the files published.
+    assert metric(h.url, "spokefs_hub_upload_bytes_total", dataset="ckpt") == sum(
+        map(len, want.values()))
+    assert metric(h.url, "spokefs_hub_committed_files_total", dataset="ckpt") == len(want)
     # A second scan finds nothing new: the rows recorded are the files as they are.
     r = pool.request("POST", f"{h.url}/v1/datasets/ckpt/snapshots",
                      headers={"Authorization": f"Bearer {ADMIN}"})
@@ -192,6 +207,8 @@ def test_bytes_not_the_version_declared_are_dropped_and_never_published(writable
     wrong = version_of(data[:-1] + bytes([data[-1] ^ 1]))
     r = put(h.url, "ckpt", "bad.pt", data, version=wrong)
     assert r.status == 422 and b"not " + wrong.encode() in r.data, r.data
+    assert metric(h.url, "spokefs_hub_uploads_refused_total", dataset="ckpt",
+                  reason="digest_mismatch") == 1
     up = Uploader(h.url, "ckpt", token=WRITER)
     assert up.state("bad.pt") is None  # dropped: sent again from its start
     r = pool.request("POST", f"{h.url}/v1/datasets/ckpt/commit", body=b'{"paths":["bad.pt"]}',
@@ -412,3 +429,29 @@ def test_ckpt_push_uploads_a_folder_and_publishes_it(writable, tmp_path) -> None
     assert r.returncode == 2 and "may not write dataset 'ckpt'" in r.stderr, r.stderr
     r = cli("commit", f"{h.url}/ckpt")
     assert r.returncode == 2 and "name the folder to commit" in r.stderr, r.stderr
+
+
+def test_an_upload_abandoned_for_a_week_is_dropped_by_the_next_scan(tmp_path: Path) -> None:
+    st = HubState(tmp_path / "ds", tmp_path / "state", "ds", BLOCK, writable=True)
+    (tmp_path / "ds").mkdir()
+    st.open()
+    try:
+        inc = st.uploads
+        assert inc is not None
+
+        async def body(data: bytes) -> AsyncIterator[bytes]:
+            yield data
+
+        data = b"q" * 100
+        for path in ("old.pt", "new.pt"):
+            asyncio.run(inc.receive(path, len(data), version_of(data), 0, body(data[:50])))
+        week_ago = time.time() - 8 * 86400
+        old_key = next(m.stem for m in inc.dir.glob("*.json")
+                       if json.loads(m.read_bytes())["path"] == "old.pt")
+        for sfx in (".json", ".part"):
+            os.utime(inc.dir / f"{old_key}{sfx}", (week_ago, week_ago))
+        st.scan()
+        assert [u["path"] for u in inc.listing()] == ["new.pt"]
+        assert inc.state("new.pt")["received"] == 50
+    finally:
+        st.close()

@@ -60,6 +60,15 @@ class HubCounters:
         self.mismatches = Counter("spokefs_hub_digest_mismatches", "Blocks whose bytes "
                                   "differed from their recorded digest (not served)",
                                   registry=r)
+        # Writes to writable datasets (hub/routes.py).
+        self.upload_bytes = Counter("spokefs_hub_upload_bytes", "Bytes received into "
+                                    "uploads and flushed", ["dataset"], registry=r)
+        self.uploads_refused = Counter("spokefs_hub_uploads_refused", "Uploads refused: "
+                                       "their bytes were not the version declared "
+                                       "(digest_mismatch) or had no room (no_space)",
+                                       ["dataset", "reason"], registry=r)
+        self.committed_files = Counter("spokefs_hub_committed_files", "Files published by "
+                                       "commits", ["dataset"], registry=r)
 
 
 class DatasetReads(Protocol):
@@ -315,6 +324,7 @@ class HubBackend(PublishedSnapshots):
         st = self.writable(name)
         async with self._scan_lock:
             result, chosen = await asyncio.to_thread(st.commit, paths, prefix)
+        self.counters.committed_files.labels(name).inc(len(chosen))
         return {"dataset": name, "committed": chosen, "new": result.created_new,
                 "files_hashed": result.files_hashed, **result.snapshot.to_json()}
 

@@ -8,7 +8,7 @@ from collections.abc import AsyncIterator
 
 from aiohttp import web
 
-from spokefs.errors import BadRequest
+from spokefs.errors import BadRequest, DigestMismatch, NoSpace
 from spokefs.hub.backend import HubBackend
 from spokefs.hub.uploads import Incoming, check_upload_path
 from spokefs.wire.bodies import json_body
@@ -60,7 +60,13 @@ class HubRoutes:
         if not check_version(version):
             raise BadRequest(f"an upload needs the {H_VERSION} header: the version the whole "
                              "file digests to (integrity.version_id)")
-        done = await inc.receive(path, size, version, offset, _chunks(request))
+        counters = self.backend.counters
+        try:
+            done = await inc.receive(path, size, version, offset, _chunks(request),
+                                     counters.upload_bytes.labels(ds).inc)
+        except (DigestMismatch, NoSpace) as exc:
+            counters.uploads_refused.labels(ds, exc.code).inc()
+            raise
         return web.json_response({"dataset": ds, **done}, status=201 if done["whole"] else 200)
 
     async def upload_state(self, request: web.Request) -> web.Response:

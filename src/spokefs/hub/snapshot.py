@@ -418,6 +418,7 @@ class HubState(SnapshotLedger):
         finally:
             db.close()
         self.uploads.retire(journals)
+        self.uploads.expire()
         return result
 
     def _scan(self, db: sqlite3.Connection, show_progress: bool,

@@ -34,7 +34,7 @@ import logging
 import os
 import stat as statmod
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -52,6 +52,8 @@ MAX_PATH = 4096             # bytes of a path, as Linux's PATH_MAX
 MAX_NAME = 255              # bytes of one component, as Linux's NAME_MAX
 WRITE_CHUNK = 4 << 20       # bytes gathered before one write (a thread hop each)
 COMMIT_MOST = 100_000       # uploads one commit publishes
+ABANDONED_AFTER = 7 * 86400  # seconds an upload may sit untouched, uncommitted, before the
+                             # next scan drops it (as S3 lifecycles abort multipart uploads)
 
 Row = tuple[str, int, int, int, int, int, int, str, bytes, None]  # snapshot.py's files row
 
@@ -173,23 +175,52 @@ class Incoming:
             raise Conflict(f"an upload of {path!r} is being received; discard it after")
         self._drop(key)
 
+    def expire(self, now: float | None = None) -> list[str]:
+        """Uploads not written to for ``ABANDONED_AFTER`` and not committed, dropped (a
+        writer that went away for good); their paths. Called in the ledger's scan turn,
+        after the commits journalled were finished."""
+        if not self.dir.is_dir():
+            return []
+        cutoff = (time.time() if now is None else now) - ABANDONED_AFTER
+        dropped = []
+        for meta in self.dir.glob("*.json"):
+            up = self._meta(meta.stem)
+            if up is None or up.path in self._busy:
+                continue
+            try:
+                touched = max(os.stat(self.dir / f"{meta.stem}{sfx}").st_mtime
+                              for sfx in (".json", ".part")
+                              if (self.dir / f"{meta.stem}{sfx}").exists())
+            except (FileNotFoundError, ValueError):
+                continue
+            if touched < cutoff:
+                self._drop(meta.stem)
+                dropped.append(up.path)
+        if dropped:
+            log.warning("dropped %d uploads untouched for %d days and never committed: %s",
+                        len(dropped), ABANDONED_AFTER // 86400, ", ".join(sorted(dropped)[:10]))
+        return dropped
+
     # -- receiving ----------------------------------------------------------------------------
     async def receive(self, path: str, size: int, version: str, offset: int,
-                      body: AsyncIterator[bytes]) -> dict[str, Any]:
+                      body: AsyncIterator[bytes],
+                      wrote: Callable[[int], object] = lambda n: None) -> dict[str, Any]:
         """Bytes of ``path`` from ``offset`` (the bytes received so far), flushed before it
-        returns; the last byte checks the whole file against ``version``."""
+        returns; the last byte checks the whole file against ``version``. ``wrote``: told
+        the count of each gathered write."""
         if not 0 <= size <= MAX_FILE:
             raise BadRequest(f"an upload's size must be 0..{MAX_FILE} bytes, not {size}")
         if path in self._busy:
             raise Conflict(f"an upload of {path!r} is already being received")
         self._busy.add(path)
         try:
-            return await self._receive(path, size, version, offset, body)
+            return await self._receive(path, size, version, offset, body, wrote)
         finally:
             self._busy.discard(path)
 
     async def _receive(self, path: str, size: int, version: str, offset: int,
-                       body: AsyncIterator[bytes]) -> dict[str, Any]:
+                       body: AsyncIterator[bytes], wrote: Callable[[int], object]
+                       ) -> dict[str, Any]:
         key = _key(path)
         up = await asyncio.to_thread(self._meta, key)
         if up is not None and (up.path, up.size, up.version) != (path, size, version):
@@ -209,7 +240,7 @@ class Incoming:
         if up is None:
             up = Upload(path, size, version)
             await asyncio.to_thread(self._begin, key, up)
-        received = await self._write(key, size, offset, body)
+        received = await self._write(key, size, offset, body, wrote)
         if received == size:
             up = await asyncio.to_thread(self._check, key, up)
         return self._answer(up, received)
@@ -226,8 +257,8 @@ class Incoming:
                           f"{free.f_bavail * free.f_frsize} free")
         write_durably(self.dir / f"{key}.json", json.dumps(up.to_json()).encode())
 
-    async def _write(self, key: str, size: int, offset: int,
-                     body: AsyncIterator[bytes]) -> int:
+    async def _write(self, key: str, size: int, offset: int, body: AsyncIterator[bytes],
+                     wrote: Callable[[int], object]) -> int:
         """The body appended at ``offset``, gathered into large writes, flushed; the bytes
         now held. A body past ``size`` is refused and leaves what was held before it."""
         fd = await asyncio.to_thread(os.open, self.dir / f"{key}.part",
@@ -245,12 +276,14 @@ class Incoming:
                     pending += chunk
                     if len(pending) >= WRITE_CHUNK:
                         at += await asyncio.to_thread(_pwrite_all, fd, bytes(pending), at)
+                        wrote(len(pending))
                         pending.clear()
             finally:
                 # The bytes that arrived count, a body cut short included: its writer
                 # resumes from them.
                 if pending:
                     at += await asyncio.to_thread(_pwrite_all, fd, bytes(pending), at)
+                    wrote(len(pending))
         except OSError as exc:
             if exc.errno in (errno.ENOSPC, errno.EDQUOT):
                 raise NoSpace(f"the hub's disk filled while receiving: {exc.strerror}; "
