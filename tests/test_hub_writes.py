@@ -20,13 +20,14 @@ from pathlib import Path
 import pytest
 import urllib3
 
-from servers import ServerProcess, hub
+from servers import CuttingProxy, ServerProcess, hub
 from spokefs import integrity
 from spokefs.client.sync import Client
 from spokefs.client.uploads import Uploader, file_version, put_tree
 from spokefs.errors import ConfigError, Conflict, DigestMismatch, Forbidden
 from spokefs.hub.namespace import parse_datasets
 from spokefs.hub.snapshot import HubState
+from spokefs.hub.uploads import Incoming, Upload, _key
 from spokefs.manifest import Manifest
 from spokefs.origin.folder import INCOMING
 from spokefs.procs import StartError
@@ -302,9 +303,39 @@ def test_an_upload_that_cannot_fit_is_refused_before_a_byte_is_kept(writable) ->
     assert Uploader(h.url, "ckpt", token=WRITER).state("huge.pt") is None
 
 
-def test_a_commit_a_crash_left_is_finished_by_the_next_scan(tmp_path: Path) -> None:
-    """The journal is durable before the first link: a hub killed between links (or before
-    any) publishes all of the commit's files on its next scan, with the digests it made."""
+async def _once(data: bytes) -> AsyncIterator[bytes]:
+    yield data
+
+
+def _received(inc: Incoming, files: dict[str, bytes]) -> None:
+    """``files`` received whole by ``inc`` (in this process: the hub's own code, no HTTP)."""
+    for path, data in files.items():
+        asyncio.run(inc.receive(path, len(data), version_of(data), 0, _once(data)))
+
+
+def _held(inc: Incoming, path: str) -> Upload:
+    return next(u for u in (inc._meta(m.stem) for m in inc.dir.glob("*.json"))
+                if u is not None and u.path == path)
+
+
+@pytest.fixture
+def ledger(tmp_path: Path) -> Iterator[tuple[HubState, Incoming, Path]]:
+    root = tmp_path / "ds"
+    root.mkdir()
+    st = HubState(root, tmp_path / "state", "ds", BLOCK, writable=True).open()
+    assert st.uploads is not None
+    try:
+        yield st, st.uploads, root
+    finally:
+        st.close()
+
+
+@pytest.mark.parametrize("crash", ["one linked", "all linked, one part gone"])
+def test_a_commit_a_crash_left_is_finished_by_the_next_scan(tmp_path: Path, crash: str
+                                                            ) -> None:
+    """The journal is durable before the first link: a hub killed between links, or after
+    them while the parts go, publishes all of the commit's files on its next scan, with
+    the digests it made."""
     root = tmp_path / "ds"
     root.mkdir()
     st = HubState(root, tmp_path / "state", "ds", BLOCK, writable=True).open()
@@ -313,19 +344,15 @@ def test_a_commit_a_crash_left_is_finished_by_the_next_scan(tmp_path: Path) -> N
     assert inc is not None
     rng = random.Random(11)
     files = {"c/a.pt": rng.randbytes(BLOCK + 1), "c/b.pt": rng.randbytes(10)}
-
-    async def body(data: bytes) -> AsyncIterator[bytes]:
-        yield data
-
-    for path, data in files.items():
-        size, version = len(data), version_of(data)
-        asyncio.run(inc.receive(path, size, version, 0, body(data)))
+    _received(inc, files)
     journal, chosen = inc.prepare(None, "c/")
     assert sorted(chosen) == sorted(files)
-    # The crash: one file linked, then the process gone before the scan recorded anything.
-    up = next(u for u in (inc._meta(m.stem) for m in inc.dir.glob("*.json"))
-              if u is not None and u.path == "c/a.pt")
-    assert inc._link(up) is not None
+    # The crash, as place() leaves things at that point, then the process gone before the
+    # scan recorded anything.
+    inc._link(_held(inc, "c/a.pt"))
+    if crash != "one linked":
+        inc._link(_held(inc, "c/b.pt"))
+        os.unlink(inc.dir / f"{_key('c/a.pt')}.part")
     st.close()
     assert journal.exists()
 
@@ -344,6 +371,99 @@ def test_a_commit_a_crash_left_is_finished_by_the_next_scan(tmp_path: Path) -> N
             assert (root / path).read_bytes() == data
     finally:
         again.close()
+
+
+@pytest.mark.parametrize("change", ["a file took a path", "an upload was rewritten"])
+def test_a_commit_the_folder_changed_under_publishes_nothing_and_keeps_its_uploads(
+        ledger, change: str) -> None:
+    """Between the journal and the links, a local user writes into the hub's folder: the
+    commit is all or nothing, so none of its files is published, its journal is set aside
+    with the reason, and its uploads stay to be committed again."""
+    st, inc, root = ledger
+    files = {"c/a.pt": b"a" * 100, "c/b.pt": b"b" * 100}
+    _received(inc, files)
+    journal, _ = inc.prepare(None, "c/")
+    if change == "a file took a path":
+        (root / "c").mkdir()
+        (root / "c" / "b.pt").write_bytes(b"by hand\n")
+    else:
+        with open(inc.dir / f"{_key('c/b.pt')}.part", "r+b") as f:
+            f.write(b"B")
+    result = st.scan()
+    m = Manifest.decode(st.manifest_path(result.snapshot.id).read_bytes())
+    assert "c/a.pt" not in m.paths and not (root / "c" / "a.pt").exists()
+    assert not journal.exists()
+    aside = json.loads((journal.parent / "failed" / journal.name).read_bytes())
+    assert "c/b.pt" in aside["error"]
+    held = {u["path"]: u for u in inc.listing()}
+    assert held.keys() == files.keys()
+    assert all(u["whole"] and not u["committing"] for u in held.values())
+    # What is still as it was checked commits now.
+    _, chosen = st.commit(["c/a.pt"], None)
+    assert chosen == ["c/a.pt"] and (root / "c" / "a.pt").read_bytes() == files["c/a.pt"]
+
+
+def test_a_link_the_filesystem_refuses_fails_that_commit_alone(ledger) -> None:
+    """A lasting error on one commit's way (here an immutable folder: EPERM even for root)
+    answers that commit with the reason and undoes the links it made; later scans and
+    commits go on, and the same commit lands once the cause is gone."""
+    st, inc, root = ledger
+    (root / "x").mkdir()
+    if subprocess.run(["chattr", "+i", str(root / "x")], capture_output=True).returncode:
+        pytest.skip("this filesystem has no immutable flag (chattr +i)")
+    try:
+        files = {"a/first.pt": b"1" * 10, "x/locked.pt": b"2" * 10, "y/other.pt": b"3" * 10}
+        _received(inc, files)
+        with pytest.raises(Conflict, match=r"nothing was published.*Operation not permitted"):
+            st.commit(["a/first.pt", "x/locked.pt"], None)
+        assert not (root / "a" / "first.pt").exists()  # linked first, then undone
+        _, chosen = st.commit(["y/other.pt"], None)
+        assert chosen == ["y/other.pt"]
+        assert st.scan().snapshot.id == st.resolve("latest").id
+    finally:
+        subprocess.run(["chattr", "-i", str(root / "x")], check=True)
+    _, chosen = st.commit(None, "")
+    assert sorted(chosen) == ["a/first.pt", "x/locked.pt"]
+    for path, data in files.items():
+        assert (root / path).read_bytes() == data
+
+
+def test_an_upload_being_committed_is_not_received_again_or_discarded(ledger) -> None:
+    st, inc, root = ledger
+    _received(inc, {"c/a.pt": b"a" * 100})
+    inc.prepare(["c/a.pt"], None)  # journalled: the next scan publishes it
+    assert inc.listing()[0]["committing"]
+    other = b"z" * 100
+    with pytest.raises(Conflict, match="being committed"):
+        asyncio.run(inc.receive("c/a.pt", len(other), version_of(other), 0, _once(other)))
+    with pytest.raises(Conflict, match="being committed"):
+        inc.discard("c/a.pt")
+    with pytest.raises(Conflict, match="being committed already"):
+        inc.prepare(["c/a.pt"], None)
+    st.scan()
+    assert inc.listing() == [] and (root / "c" / "a.pt").read_bytes() == b"a" * 100
+
+
+def test_a_commit_whose_answer_was_lost_is_found_landed_not_sent_twice(writable, tmp_path
+                                                                       ) -> None:
+    """The hub commits, and the connection drops before its answer: the writer asks what
+    became of it instead of resending (a resend would find the uploads gone: 404)."""
+    h, ckpt, _ = writable
+    host, port = h.hostport.split(":")
+    up = Uploader(h.url, "ckpt", token=WRITER)
+    for name in ("a.pt", "b.pt"):
+        src = tmp_path / name
+        src.write_bytes(name.encode() * 1000)
+        up.put(f"lost/{name}", src)
+    proxy = CuttingProxy((host, int(port)), on=b"POST /v1/datasets/ckpt/commit")
+    with proxy.running() as pport:
+        doc = Uploader(f"http://127.0.0.1:{pport}", "ckpt", token=WRITER,
+                       deadline=10).commit(prefix="lost/")
+    assert proxy.done, "the proxy did not cut the answer"
+    assert doc["recovered"] and sorted(doc["committed"]) == ["lost/a.pt", "lost/b.pt"]
+    assert sum(r.startswith(b"POST") for r in proxy.requests) == 1
+    assert doc["id"] == Client(h.url, token=READER).resolve("ckpt", "latest")
+    assert (ckpt / "lost" / "a.pt").read_bytes() == b"a.pt" * 1000
 
 
 def test_writable_is_a_folders_setting(tmp_path: Path) -> None:

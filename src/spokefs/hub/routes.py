@@ -4,6 +4,7 @@ token (scope ``write``); a read-only dataset answers 403 whatever the token."""
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import AsyncIterator
 
 from aiohttp import web
@@ -48,7 +49,7 @@ class HubRoutes:
 
     async def uploads(self, request: web.Request) -> web.Response:
         ds, inc = self._incoming(request)
-        return web.json_response({"dataset": ds, "uploads": inc.listing()})
+        return web.json_response({"dataset": ds, "uploads": await asyncio.to_thread(inc.listing)})
 
     async def upload(self, request: web.Request) -> web.Response:
         """201 once the file is whole and checked; 200 while bytes are missing."""
@@ -72,12 +73,12 @@ class HubRoutes:
     async def upload_state(self, request: web.Request) -> web.Response:
         ds, inc = self._incoming(request)
         path = check_upload_path(request.match_info["path"])
-        return web.json_response({"dataset": ds, **inc.state(path)})
+        return web.json_response({"dataset": ds, **await asyncio.to_thread(inc.state, path)})
 
     async def discard_upload(self, request: web.Request) -> web.Response:
         ds, inc = self._incoming(request)
         path = check_upload_path(request.match_info["path"])
-        inc.discard(path)
+        await asyncio.to_thread(inc.discard, path)
         return web.json_response({"dataset": ds, "path": path, "discarded": True})
 
     async def commit(self, request: web.Request) -> web.Response:

@@ -44,7 +44,7 @@ from tqdm import tqdm
 
 from spokefs import integrity
 from spokefs.cache.durable import write_durably
-from spokefs.errors import ConfigError, NotFound
+from spokefs.errors import ConfigError, Conflict, NotFound
 from spokefs.hub.uploads import Incoming, Row
 from spokefs.manifest import Manifest
 from spokefs.origin.folder import (  # noqa: F401  (re-exported: the hub's names for them)
@@ -397,7 +397,7 @@ class HubState(SnapshotLedger):
         Reads go on meanwhile: the walk and the hashing hold nothing they use."""
         _ = self.db  # raises if open() was not called
         with self._scanning():
-            return self._scan_turn(show_progress)
+            return self._scan_turn(show_progress)[0]
 
     def commit(self, paths: list[str] | None, prefix: str | None
                ) -> tuple[ScanResult, list[str]]:
@@ -405,21 +405,25 @@ class HubState(SnapshotLedger):
         journal, then a scan that places and records them (``hub/uploads.py``)."""
         assert self.uploads is not None, "open() was not called"
         with self._scanning():
-            _, chosen = self.uploads.prepare(paths, prefix)
-            return self._scan_turn(False), chosen
+            journal, chosen = self.uploads.prepare(paths, prefix)
+            result, failed = self._scan_turn(False)
+        if journal.name in failed:
+            raise Conflict(f"nothing was published: {failed[journal.name]}")
+        return result, chosen
 
-    def _scan_turn(self, show_progress: bool) -> ScanResult:
-        """A scan, in this state's turn: commits a crash left are finished first."""
+    def _scan_turn(self, show_progress: bool) -> tuple[ScanResult, dict[str, str]]:
+        """A scan, in this state's turn: commits journalled (a crash's left included) are
+        finished first; the scan, and the commits that published nothing, with why."""
         assert self.uploads is not None
-        placed, journals = self.uploads.place()
+        placed = self.uploads.place()
         db = self._connect()
         try:
-            result = self._scan(db, show_progress, placed)
+            result = self._scan(db, show_progress, placed.rows)
         finally:
             db.close()
-        self.uploads.retire(journals)
+        self.uploads.retire(placed.done)
         self.uploads.expire()
-        return result
+        return result, placed.failed
 
     def _scan(self, db: sqlite3.Connection, show_progress: bool,
               placed: list[Row] | None = None) -> ScanResult:

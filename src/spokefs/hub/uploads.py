@@ -8,17 +8,21 @@ Where things are (the folder's own filesystem, so publishing a file is a link, n
     ROOT/.spokefs-incoming/KEY.json    path, size, version declared; once whole and checked,
                                        its block digests and the identity they were made on
     STATE/commits/ID.json              a commit under way (durable before its first link)
+    STATE/commits/failed/ID.json       one that could not be finished, with why
 
 The walk never publishes ``INCOMING`` (``origin/folder.py``). An upload resumes from the
 bytes received (``received``: the part's length, flushed before each answer); the last
 byte makes the hub read the part back and digest it with the dataset's block size: bytes
 that are not the version declared are dropped (``DigestMismatch``), and the writer sends
-the file again. A commit names whole uploads (paths, or every one under a prefix), is
-written to its journal, then each part is linked to its path (``link``: never replaces a
-file that is there, so a published version stays readable) and the state scans, recording
-the files with the digests made here (nothing is hashed twice). A state with a journal left
-by a crash finishes it in its next scan, before the walk: a snapshot holds all of a
-commit's files or none.
+the file again. A commit names whole uploads (paths, or every one under a prefix) and is
+written to its journal. Then (``place``) every one is checked to be still the file checked
+on arrival, its path free, before any is linked; each part is linked to its path (never
+over a file that is there, so a published version stays readable), and the state scans,
+recording the files with the digests made here (nothing is hashed twice). A commit that
+cannot be finished undoes its links and is set aside in ``commits/failed`` with its reason,
+its uploads kept; a journal left by a crash is finished by the next scan, before the walk.
+A snapshot holds all of a commit's files or none. While a commit is journalled, its paths
+are neither received again nor discarded.
 
 A writable dataset only grows: a commit may not name a path the folder has. One writer
 region per dataset (docs/checkpoints.md); the hub serialises uploads of one path.
@@ -35,7 +39,7 @@ import os
 import stat as statmod
 import time
 from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -127,6 +131,8 @@ class Incoming:
         self.journals = state_dir / "commits"
         self.block_size = block_size
         self._busy: set[str] = set()   # paths being received now: one writer each
+        self._committing: set[str] = set()  # paths of journalled commits not yet retired:
+                                            # not received, discarded or dropped meanwhile
 
     # -- what is held -------------------------------------------------------------------------
     def _meta(self, key: str) -> Upload | None:
@@ -163,7 +169,8 @@ class Incoming:
                 up = self._meta(meta.stem)
                 if up is not None:
                     out.append({"path": up.path, "size": up.size, "version": up.version,
-                                "received": self._received(meta.stem), "whole": up.whole})
+                                "received": self._received(meta.stem), "whole": up.whole,
+                                "committing": up.path in self._committing})
         return sorted(out, key=lambda u: u["path"])
 
     def discard(self, path: str) -> None:
@@ -173,6 +180,9 @@ class Incoming:
             raise NotFound(f"no upload of {path!r} under way")
         if path in self._busy:
             raise Conflict(f"an upload of {path!r} is being received; discard it after")
+        if path in self._committing:
+            raise Conflict(f"{path!r} is being committed: it is published or kept, not "
+                           "discarded")
         self._drop(key)
 
     def expire(self, now: float | None = None) -> list[str]:
@@ -185,7 +195,7 @@ class Incoming:
         dropped = []
         for meta in self.dir.glob("*.json"):
             up = self._meta(meta.stem)
-            if up is None or up.path in self._busy:
+            if up is None or up.path in self._busy or up.path in self._committing:
                 continue
             try:
                 touched = max(os.stat(self.dir / f"{meta.stem}{sfx}").st_mtime
@@ -193,7 +203,8 @@ class Incoming:
                               if (self.dir / f"{meta.stem}{sfx}").exists())
             except (FileNotFoundError, ValueError):
                 continue
-            if touched < cutoff:
+            # Asked again just before: a writer may have come back since the loop began.
+            if touched < cutoff and up.path not in self._busy | self._committing:
                 self._drop(meta.stem)
                 dropped.append(up.path)
         if dropped:
@@ -212,6 +223,9 @@ class Incoming:
             raise BadRequest(f"an upload's size must be 0..{MAX_FILE} bytes, not {size}")
         if path in self._busy:
             raise Conflict(f"an upload of {path!r} is already being received")
+        if path in self._committing:
+            raise Conflict(f"{path!r} is being committed; write another path, or this one "
+                           "again once the commit answered")
         self._busy.add(path)
         try:
             return await self._receive(path, size, version, offset, body, wrote)
@@ -250,7 +264,7 @@ class Incoming:
                 "received": received, "whole": up.whole}
 
     def _begin(self, key: str, up: Upload) -> None:
-        self.dir.mkdir(mode=0o700, exist_ok=True)
+        self._own_dir()
         free = os.statvfs(self.dir)
         if free.f_bavail * free.f_frsize < up.size:
             raise NoSpace(f"no room on the hub for {up.path!r}: {up.size} bytes, "
@@ -314,10 +328,24 @@ class Incoming:
         return up
 
     # -- committing ---------------------------------------------------------------------------
+    def _own_dir(self) -> None:
+        """``INCOMING`` made if missing, and checked to be the hub's own folder on the
+        dataset's filesystem: not a symlink (a link would publish what it points at) and
+        not another mount (a hard link cannot cross one: every commit would fail)."""
+        self.dir.mkdir(mode=0o700, exist_ok=True)
+        here, root = os.lstat(self.dir), os.stat(self.root)
+        if not statmod.S_ISDIR(here.st_mode):
+            raise Conflict(f"{self.dir} is not a folder (a symlink?): the hub keeps uploads "
+                           "there; move it away")
+        if here.st_dev != root.st_dev:
+            raise Conflict(f"{self.dir} is on another filesystem than {self.root}: a commit "
+                           "links uploads into place, which cannot cross filesystems")
+
     def prepare(self, paths: list[str] | None, prefix: str | None) -> tuple[Path, list[str]]:
         """A commit's journal, written durably, for the whole uploads named (``paths``) or
-        under ``prefix``. Conflict when one is not whole or its path is taken (or a folder
-        on its way is not a folder); the ledger's next scan (``place``) publishes it."""
+        under ``prefix``. Conflict when one is not whole, is being received or committed,
+        or its path is taken (or a folder on its way is not a folder); the ledger's next
+        scan (``place``) publishes it."""
         held = {u.path: u for u in (self._meta(m.stem) for m in self.dir.glob("*.json"))
                 if u is not None} if self.dir.is_dir() else {}
         if paths is not None:
@@ -333,7 +361,12 @@ class Incoming:
                 raise NotFound(f"no upload under {prefix!r} to commit")
         if len(chosen) > COMMIT_MOST:
             raise BadRequest(f"a commit publishes at most {COMMIT_MOST} files")
+        self._own_dir()
         for u in chosen:
+            if u.path in self._committing:
+                raise Conflict(f"{u.path!r} is being committed already")
+            if u.path in self._busy:
+                raise Conflict(f"{u.path!r} is being received; commit it once it is whole")
             if not u.whole:
                 raise Conflict(f"{u.path!r} is not received whole yet "
                                f"({self._received(_key(u.path))} of {u.size} bytes)")
@@ -345,109 +378,220 @@ class Incoming:
                 if "/".join(parts[:i]) in names:
                     raise Conflict(f"{'/'.join(parts[:i])!r} would be a file and a folder")
         journal = self.journals / f"{time.time_ns()}-{os.getpid()}.json"
-        write_durably(journal, json.dumps({"uploads": [u.to_json() for u in chosen]}).encode())
+        self._committing.update(names)  # before the journal: no receive slips in between
+        try:
+            write_durably(journal, json.dumps({"uploads": [u.to_json() for u in chosen]})
+                          .encode())
+        except BaseException:
+            self._committing.difference_update(names)
+            raise
         return journal, [u.path for u in chosen]
 
     def _check_free(self, up: Upload) -> None:
         """Conflict unless ``up``'s path is free in the folder (or holds ``up``'s own part:
         a commit a crash or an error left unfinished) and every folder on its way is one."""
-        parts = up.path.split("/")
-        for i in range(1, len(parts)):
-            try:
-                st = os.lstat(self.root.joinpath(*parts[:i]))
-            except FileNotFoundError:
-                break
-            if not statmod.S_ISDIR(st.st_mode):
-                raise Conflict(f"{up.path!r}: {'/'.join(parts[:i])!r} on its way is not a "
-                               "folder on the hub")
         try:
-            there = os.lstat(self.root / up.path)
+            fd = self._folder_of(up.path, make=False)
+        except FileNotFoundError:
+            return  # a folder on its way is missing: the path is free
+        try:
+            there = os.stat(up.path.rsplit("/", 1)[-1], dir_fd=fd, follow_symlinks=False)
         except FileNotFoundError:
             return
+        except OSError as exc:
+            raise Conflict(f"{up.path!r} cannot be placed in the dataset's folder: "
+                           f"{exc.strerror}") from exc
+        finally:
+            os.close(fd)
         if up.identity is None or there.st_ino != up.identity[0]:
             raise Conflict(f"{up.path!r} exists in the dataset already; a writable dataset "
                            "only grows (write a new path)")
 
-    def place(self) -> tuple[list[Row], list[Path]]:
-        """Finish every journalled commit: each part linked to its path (idempotent: a
-        crash between two links is finished here), the folders made flushed. The rows to
-        record for the files placed now, and the journals done (``retire`` once the scan
-        recorded them). Blocking; the ledger's scan lock is held."""
-        rows: list[Row] = []
-        done = sorted(self.journals.glob("*.json")) if self.journals.is_dir() else []
-        for journal in done:
-            try:
-                doc = json.loads(journal.read_bytes())
-                ups = [Upload.from_json(u) for u in doc["uploads"]]
-            except (OSError, ValueError, KeyError, TypeError):  # written durably: never torn
-                continue
-            for up in ups:
-                try:
-                    row = self._link(up)
-                except Conflict as exc:  # the folder changed under the hub since prepare
-                    log.error("commit %s: %s; not published", journal.name, exc)
-                    continue
-                if row is not None:
-                    rows.append(row)
-        return rows, done
+    def _folder_of(self, path: str, make: bool) -> int:
+        """The folder ``path`` lies in, open (the caller closes it), entered from the root
+        one name at a time, never through a symlink; missing folders made when ``make``
+        (FileNotFoundError when not). Conflict when a name on the way is not a folder."""
+        fd = os.open(self.root, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+        try:
+            for name in path.split("/")[:-1]:
+                child = _enter(fd, name, path, make)
+                os.close(fd)
+                fd = child
+        except BaseException:
+            os.close(fd)
+            raise
+        return fd
 
-    def retire(self, journals: list[Path]) -> None:
-        """After the scan recorded them: the journals and their uploads' records go."""
+    def place(self) -> Placed:
+        """Finish every journalled commit, each all or nothing: every upload it names is
+        checked to be as it was checked on arrival (or placed by a crashed run of this
+        call) before any is linked; then each part is linked to its path (never over a
+        file that is there), and only once all are, the parts go. A commit that cannot be
+        finished (the folder changed under the hub, a link refused) publishes nothing,
+        keeps its uploads, and is moved to ``commits/failed`` with its reason; the others
+        go on. Blocking; the ledger's scan lock is held."""
+        out = Placed()
+        journals = sorted(self.journals.glob("*.json")) if self.journals.is_dir() else []
         for journal in journals:
             try:
                 ups = [Upload.from_json(u) for u in json.loads(journal.read_bytes())["uploads"]]
-            except (OSError, ValueError, KeyError, TypeError):
-                ups = []
-            for up in ups:
-                self._drop(_key(up.path))
-            journal.unlink(missing_ok=True)
+            except OSError as exc:  # could be passing (EIO, EMFILE): the next scan tries
+                log.warning("commit %s: its journal cannot be read now (%s); tried again at "
+                            "the next scan", journal.name, exc)
+                continue
+            except (ValueError, KeyError, TypeError, IndexError) as exc:  # not ours
+                self._fail(journal, [], f"the journal is not one this hub wrote: {exc}", out)
+                continue
+            self._committing.update(u.path for u in ups)  # a journal a crash left
+            try:
+                out.rows += self._place_all(ups)
+            except (Conflict, OSError) as exc:
+                self._fail(journal, ups, str(exc), out)
+                continue
+            out.done.append((journal, ups))
+        return out
 
-    def _link(self, up: Upload) -> Row | None:
-        """``up``'s part at its path (a hard link: never over a file that is there), and its
-        row when this call placed it; None when it was placed before (the scan hashes
-        what is there) or is gone."""
-        key = _key(up.path)
-        src = self.dir / f"{key}.part"
+    def _place_all(self, ups: list[Upload]) -> list[Row]:
+        todo = []
+        for up in ups:  # every one checked before any is linked
+            try:
+                st = os.stat(self.dir / f"{_key(up.path)}.part")
+            except FileNotFoundError:
+                if self._placed_before(up) is None:
+                    self._unplace(ups)
+                    raise Conflict(f"{up.path!r}: its upload is gone and the path does not "
+                                   "hold it") from None
+                continue
+            if up.identity is None or (st.st_ino, st.st_size, st.st_mtime_ns) != up.identity:
+                self._unplace(ups)
+                raise Conflict(f"{up.path!r}: its upload changed since it was checked")
+            try:
+                self._check_free(up)
+            except Conflict:
+                self._unplace(ups)
+                raise
+            todo.append(up)
+        linked: list[Upload] = []
         try:
-            st = os.stat(src)
-        except FileNotFoundError:
-            return self._placed_before(up)
-        if up.identity is None or (st.st_ino, st.st_size, st.st_mtime_ns) != up.identity:
-            return None  # changed since it was checked: not published with these digests
-        *folders, leaf = up.path.split("/")
-        fd = os.open(self.root, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+            for up in todo:
+                self._link(up)
+                linked.append(up)
+        except BaseException:
+            self._unplace(linked)
+            raise
+        # All are in place: the parts go now, not after the scan: dropping a link changes
+        # the file's ctime, and the row must hold the identity the file keeps.
+        for up in todo:
+            os.unlink(self.dir / f"{_key(up.path)}.part")
+        if todo:
+            _fsync_dir_path(self.dir)
+        rows = []
+        for up in ups:
+            row = self._placed_before(up)
+            if row is not None:
+                rows.append(row)
+        return rows
+
+    def _fail(self, journal: Path, ups: list[Upload], why: str, out: Placed) -> None:
+        """``journal`` set aside in ``commits/failed`` with ``why``; its uploads stay."""
+        log.error("commit %s: %s; nothing of it was published, its uploads are kept (commit "
+                  "them again once the cause is gone)", journal.name, why)
+        out.failed[journal.name] = why
+        failed = self.journals / "failed"
         try:
-            for name in folders:
-                child = _enter(fd, name, up.path)
-                os.close(fd)
-                fd = child
+            failed.mkdir(exist_ok=True)
+            doc = {"uploads": [u.to_json() for u in ups], "error": why}
+            write_durably(failed / journal.name, json.dumps(doc).encode())
+            journal.unlink()
+        except OSError as exc:
+            log.error("commit %s: cannot set its journal aside: %s", journal.name, exc)
+        self._committing.difference_update(u.path for u in ups)
+
+    def retire(self, journals: list[tuple[Path, list[Upload]]]) -> None:
+        """After the scan recorded them: the journals and their uploads' records go (a
+        record only if it is still the one the journal named)."""
+        for journal, ups in journals:
+            for up in ups:
+                key = _key(up.path)
+                held = self._meta(key)
+                if held is not None and (held.path, held.identity) == (up.path, up.identity):
+                    self._drop(key)
+            journal.unlink(missing_ok=True)
+            self._committing.difference_update(u.path for u in ups)
+
+    def _link(self, up: Upload) -> None:
+        """``up``'s part linked at its path (never over a file that is there), the folder
+        flushed; Conflict when another file holds the path."""
+        src = self.dir / f"{_key(up.path)}.part"
+        fd = self._folder_of(up.path, make=True)
+        try:
+            leaf = up.path.rsplit("/", 1)[-1]
             try:
                 os.link(src, leaf, dst_dir_fd=fd)
             except FileExistsError:
                 there = os.stat(leaf, dir_fd=fd, follow_symlinks=False)
-                if (there.st_dev, there.st_ino) != (st.st_dev, st.st_ino):
-                    return None  # another file took the path meanwhile: it stays, unrecorded
+                if up.identity is None or there.st_ino != up.identity[0]:
+                    raise Conflict(f"{up.path!r}: another file took the path") from None
             _fsync_dir(fd)
-            # The part goes now, not after the scan: dropping a link changes the file's
-            # ctime, and the row must hold the identity the file keeps (a read checks it).
-            os.unlink(src)
-            _fsync_dir_path(self.dir)
-            placed = os.stat(leaf, dir_fd=fd, follow_symlinks=False)
         finally:
             os.close(fd)
-        return _row(up, placed)
+
+    def _unplace(self, ups: list[Upload]) -> None:
+        """Undo what a run of ``place`` linked of ``ups`` (best effort, logged): a path that
+        holds an upload's file loses it, and a part a crashed run unlinked gets it back."""
+        for up in ups:
+            if up.identity is None:
+                continue
+            part = self.dir / f"{_key(up.path)}.part"
+            try:
+                fd = self._folder_of(up.path, make=False)
+            except (FileNotFoundError, Conflict):
+                continue
+            leaf = up.path.rsplit("/", 1)[-1]
+            try:
+                there = os.stat(leaf, dir_fd=fd, follow_symlinks=False)
+                if there.st_ino != up.identity[0]:
+                    continue
+                if part.exists():
+                    os.unlink(leaf, dir_fd=fd)
+                else:
+                    os.rename(leaf, part, src_dir_fd=fd)
+                _fsync_dir(fd)
+            except FileNotFoundError:
+                pass
+            except OSError as exc:
+                log.error("%r: cannot undo its placing: %s", up.path, exc)
+            finally:
+                os.close(fd)
 
     def _placed_before(self, up: Upload) -> Row | None:
-        """The row of ``up`` linked and its part unlinked before a crash, when the file at
-        its path is still the one checked; None (the walk hashes what is there) if not."""
+        """The row of ``up`` when the file at its path is the one checked (linked by this
+        or a crashed run); None if not."""
         try:
-            there = os.lstat(self.root / up.path)
-        except (FileNotFoundError, NotADirectoryError):
+            fd = self._folder_of(up.path, make=False)
+        except (FileNotFoundError, Conflict):
             return None
+        try:
+            there = os.stat(up.path.rsplit("/", 1)[-1], dir_fd=fd, follow_symlinks=False)
+        except OSError:
+            return None
+        finally:
+            os.close(fd)
         if (up.identity is None or not statmod.S_ISREG(there.st_mode)
                 or (there.st_ino, there.st_size, there.st_mtime_ns) != up.identity):
             return None
         return _row(up, there)
+
+
+@dataclass(slots=True)
+class Placed:
+    """What ``place`` did: the rows of files placed (digested on arrival), the journals
+    finished (``retire`` them once the scan recorded the rows), and those set aside, by
+    name, with why."""
+
+    rows: list[Row] = field(default_factory=list)
+    done: list[tuple[Path, list[Upload]]] = field(default_factory=list)
+    failed: dict[str, str] = field(default_factory=dict)
 
 
 def _row(up: Upload, placed: os.stat_result) -> Row:
@@ -457,14 +601,16 @@ def _row(up: Upload, placed: os.stat_result) -> Row:
                 None)
 
 
-def _enter(parent: int, name: str, path: str) -> int:
-    """The folder ``name`` of ``parent`` (made if missing, never through a symlink), open;
-    the caller closes ``parent``."""
+def _enter(parent: int, name: str, path: str, make: bool) -> int:
+    """The folder ``name`` of ``parent`` (made if missing and ``make``, never through a
+    symlink), open; the caller closes ``parent``."""
     flags = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
     try:
         try:
             return os.open(name, flags, dir_fd=parent)
         except FileNotFoundError:
+            if not make:
+                raise
             try:
                 os.mkdir(name, 0o755, dir_fd=parent)
                 _fsync_dir(parent)
