@@ -2,12 +2,16 @@
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import itertools
 import os
 import random
 import re
 import socket
+import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import urllib3
@@ -93,3 +97,73 @@ def output_with(proc: ServerProcess, text: str, timeout: float = 10.0) -> str:
     while text not in (out := "".join(proc.output)) and time.monotonic() < end:
         time.sleep(0.05)
     return out
+
+
+class CuttingProxy:
+    """A TCP proxy in front of a server that cuts one response, a network fault at an exact
+    point: the first response after ``cut`` bytes, or (``on``) the answer to the first
+    request that begins with ``on``, before its first byte. It records every request it
+    forwards."""
+
+    def __init__(self, upstream: tuple[str, int], cut: int = 0, on: bytes | None = None
+                 ) -> None:
+        self.upstream = upstream
+        self.cut = cut
+        self.on = on
+        self.armed = False   # the request ``on`` names went up
+        self.done = False    # one response was cut
+        self.requests: list[bytes] = []
+        self.server: asyncio.Server | None = None
+
+    async def start(self) -> int:
+        self.server = await asyncio.start_server(self._conn, "127.0.0.1", 0)
+        return int(self.server.sockets[0].getsockname()[1])
+
+    @contextlib.contextmanager
+    def running(self) -> Iterator[int]:
+        """Served from a thread of its own (for a test that is not async); its port."""
+        loop = asyncio.new_event_loop()
+        port = loop.run_until_complete(self.start())
+        thread = threading.Thread(target=loop.run_forever, daemon=True)
+        thread.start()
+        try:
+            yield port
+        finally:
+            loop.call_soon_threadsafe(loop.stop)
+            thread.join(10)
+
+    async def _conn(self, cr: asyncio.StreamReader, cw: asyncio.StreamWriter) -> None:
+        ur, uw = await asyncio.open_connection(*self.upstream)
+
+        async def up() -> None:
+            while data := await cr.read(65536):
+                self.requests.append(data)
+                if self.on is not None and data.startswith(self.on):
+                    self.armed = True
+                uw.write(data)
+
+        async def down() -> None:
+            sent = 0
+            while data := await ur.read(65536):
+                keep = -1  # bytes of this piece let through before the cut; -1: no cut
+                if not self.done and self.on is None and sent + len(data) >= self.cut:
+                    keep = self.cut - sent
+                elif not self.done and self.armed:
+                    keep = 0
+                if keep >= 0:
+                    cw.write(data[:keep])
+                    await cw.drain()
+                    self.done = True
+                    cw.transport.abort()
+                    return
+                sent += len(data)
+                cw.write(data)
+                await cw.drain()
+
+        try:
+            await asyncio.gather(up(), down())
+        except (ConnectionError, OSError):
+            pass
+        finally:
+            uw.close()
+            cw.close()

@@ -12,6 +12,7 @@ import pytest
 import xxhash
 from prometheus_client import CollectorRegistry
 
+from servers import CuttingProxy
 from spokefs.cache.store import BlockStore
 from spokefs.manifest import Manifest
 from spokefs.policy import make_policy
@@ -124,50 +125,6 @@ def test_data_client_reads_a_batch_from_the_hub(ro_hub, ro_dataset: Path) -> Non
         assert h.status == 410 and json.loads(err)["error"]["code"] == "version_gone"
 
     asyncio.run(main())
-
-
-class CuttingProxy:
-    """A TCP proxy in front of the hub that cuts the first batch response after ``cut``
-    bytes and records every request it forwards: a network fault at an exact point."""
-
-    def __init__(self, upstream: tuple[str, int], cut: int) -> None:
-        self.upstream = upstream
-        self.cut = cut
-        self.requests: list[bytes] = []
-        self.server: asyncio.Server | None = None
-
-    async def start(self) -> int:
-        self.server = await asyncio.start_server(self._conn, "127.0.0.1", 0)
-        return self.server.sockets[0].getsockname()[1]
-
-    async def _conn(self, cr: asyncio.StreamReader, cw: asyncio.StreamWriter) -> None:
-        ur, uw = await asyncio.open_connection(*self.upstream)
-
-        async def up() -> None:
-            while data := await cr.read(65536):
-                self.requests.append(data)
-                uw.write(data)
-
-        async def down() -> None:
-            sent = 0
-            while data := await ur.read(65536):
-                if self.cut and sent + len(data) >= self.cut:
-                    cw.write(data[:self.cut - sent])
-                    await cw.drain()
-                    self.cut = 0  # only the first response is cut
-                    cw.transport.abort()
-                    return
-                sent += len(data)
-                cw.write(data)
-                await cw.drain()
-
-        try:
-            await asyncio.gather(up(), down())
-        except (ConnectionError, OSError):
-            pass
-        finally:
-            uw.close()
-            cw.close()
 
 
 def test_a_batch_cut_in_the_middle_is_retried_for_the_missing_blocks_only(

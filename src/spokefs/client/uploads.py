@@ -15,6 +15,7 @@ after a crash, sends only the rest. A file changed while it was sent is refused 
 
 from __future__ import annotations
 
+import json
 import os
 import time
 from collections.abc import Callable
@@ -145,7 +146,71 @@ class Uploader:
         """Publish whole uploads (``paths``, or every one under ``prefix``) as one snapshot;
         its document (``id``, ``committed``)."""
         doc: dict[str, Any] = {"paths": paths} if paths is not None else {"prefix": prefix}
-        return dict(self.client.post_json(f"/v1/datasets/{quote(self.dataset)}/commit", doc))
+        body = json.dumps(doc).encode()
+        url = f"/v1/datasets/{quote(self.dataset)}/commit"
+        policy, t0 = UPSTREAM.within(self.client.deadline), time.monotonic()
+        sending, resent = True, False
+        for delay in policy.delays():
+            if sending:
+                # Sent once per try: a commit resent blindly after its answer was lost would
+                # find its uploads gone (404) though it landed. A broken exchange (or, on a
+                # resend, a 404 or 409: the first one got there after all) asks what became
+                # of it.
+                try:
+                    resp = self.client.request("POST", url,
+                                               {"Content-Type": "application/json"}, body,
+                                               once=True)
+                    return dict(json.loads(resp.data))
+                except Transient as exc:
+                    failure: Exception = exc
+                except (NotFound, Conflict) as exc:
+                    if not resent:
+                        raise
+                    failure = exc
+            try:
+                landed = self._landed(paths, prefix)
+            except Transient as exc:
+                failure, landed = exc, None
+            if landed:
+                return self._committed(paths, prefix)
+            if landed is False and isinstance(failure, NotFound | Conflict):
+                raise failure  # the hub's own refusal, its uploads still held
+            sending = landed is False  # all still held, none being committed: send again
+            resent = resent or sending
+            pause = policy.pause(delay, time.monotonic() - t0)
+            if pause is None:
+                raise UpstreamUnavailable(
+                    f"the commit's answer was lost, and whether it landed could not be told "
+                    f"for {self.client.deadline:g}s: {failure}", self.client.base,
+                    str(failure), getattr(failure, "kind", None)) from failure
+            time.sleep(pause)
+        raise AssertionError("unreachable")
+
+    def _named(self, ups: list[dict[str, Any]], paths: list[str] | None,
+               prefix: str | None) -> list[dict[str, Any]]:
+        return [u for u in ups
+                if (u["path"] in paths if paths is not None else u["path"].startswith(prefix))]
+
+    def _landed(self, paths: list[str] | None, prefix: str | None) -> bool | None:
+        """After a commit whose answer was lost: True when none of its uploads is left
+        (published: a commit is all or nothing), None while the hub is still committing
+        them, False when they are all still held (it never arrived, or failed: resend)."""
+        named = self._named(self.listing(), paths, prefix)
+        if any(u.get("committing") for u in named):
+            return None
+        return not named
+
+    def _committed(self, paths: list[str] | None, prefix: str | None) -> dict[str, Any]:
+        """The answer a commit that landed would have given, from the latest snapshot."""
+        latest = self.client.get_json(f"/v1/datasets/{quote(self.dataset)}/snapshots/latest")
+        m = self.client.manifest(self.dataset, str(latest["id"]))
+        have = set(m.paths)
+        chosen = ([p for p in paths if p in have] if paths is not None
+                  else [p for p in m.paths if p.startswith(prefix or "")])
+        if paths is not None and len(chosen) != len(set(paths)):
+            raise Conflict(f"the commit's uploads are gone but {len(set(paths)) - len(chosen)} "
+                           "of its paths are not in the latest snapshot: discarded meanwhile?")
+        return {"dataset": self.dataset, "committed": chosen, "recovered": True, **latest}
 
 
 class _Window:
