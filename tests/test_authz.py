@@ -116,7 +116,7 @@ def test_every_registered_route_is_in_the_table(tmp_path: Path) -> None:
     state = open_state(str(tmp_path / "d"), "d", str(tmp_path / "st"), 1 << 20)
     try:
         apps = {
-            "hub": build_app(backend := HubBackend([state]), {Owner.HUB: HubRoutes(backend)}),
+            "hub": build_app(backend := HubBackend([state]), {Owner.WRITES: HubRoutes(backend)}),
             "spoke": build_spoke_app(SpokeBackend(SpokeConfig(
                 upstream="http://127.0.0.1:9", cache_dir=tmp_path / "c",
                 cache_size=1 << 30))),
@@ -130,8 +130,8 @@ def test_every_registered_route_is_in_the_table(tmp_path: Path) -> None:
                 assert route.scope in Scope
                 seen.add(route)
             # The replica answers every primary route by forwarding, the rest itself.
-            owners = {"hub": {Owner.API, Owner.UI, Owner.HUB},
-                      "spoke": {Owner.API, Owner.UI, Owner.SPOKE},
+            owners = {"hub": {Owner.API, Owner.UI, Owner.WRITES},
+                      "spoke": {Owner.API, Owner.UI, Owner.SPOKE, Owner.WRITES},
                       "replica": {Owner.API, Owner.UI, Owner.REPLICA}}[role]
             want = {r for r in ROUTES if r.owner in owners
                     or (role == "replica" and r.primary)}
@@ -144,8 +144,8 @@ def test_every_registered_route_is_in_the_table(tmp_path: Path) -> None:
 def test_every_route_answers_only_its_scope(servers, who: str) -> None:
     _, _, h, s, _ = servers
     token = TOKENS[who]
-    for base, owners in ((s.url, {Owner.API, Owner.UI, Owner.SPOKE}),
-                         (h.url, {Owner.API, Owner.UI, Owner.HUB})):
+    for base, owners in ((s.url, {Owner.API, Owner.UI, Owner.SPOKE, Owner.WRITES}),
+                         (h.url, {Owner.API, Owner.UI, Owner.WRITES})):
         for route in ROUTES:
             if route.owner not in owners:
                 continue
@@ -326,8 +326,8 @@ def test_job_owners_leave_when_idle_and_never_silently() -> None:
 
 def test_the_openapi_document_lists_every_route_with_its_scope(servers) -> None:
     _, _, h, s, _ = servers
-    for base, owners in ((s.url, {Owner.API, Owner.UI, Owner.SPOKE}),
-                         (h.url, {Owner.API, Owner.UI, Owner.HUB})):
+    for base, owners in ((s.url, {Owner.API, Owner.UI, Owner.SPOKE, Owner.WRITES}),
+                         (h.url, {Owner.API, Owner.UI, Owner.WRITES})):
         doc = json.loads(call("GET", f"{base}/v1/openapi.json").data)
         ops = {(m.upper(), p): op["x-spokefs-scope"] for p, item in doc["paths"].items()
                for m, op in item.items()}

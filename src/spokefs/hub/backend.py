@@ -185,7 +185,8 @@ class PublishedSnapshots:
         st = self._state(name)
         snaps = st.snapshots()
         return DatasetInfo(name, st.block_size, snaps[-1].id if snaps else None,
-                           [s.to_json() for s in snaps], content_ids=st.content_ids)
+                           [s.to_json() for s in snaps], content_ids=st.content_ids,
+                           writable=isinstance(st, HubState) and st.writable)
 
     async def resolve(self, name: str, snap: str) -> str:
         return self._state(name).resolve(snap).id

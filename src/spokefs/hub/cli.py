@@ -124,7 +124,7 @@ def _serve(args: argparse.Namespace) -> int:
             backend.add(st)
             report(st, result)
         check_bind(args.host, args.auth, args.insecure, "hub")
-        app = build_app(backend, {Owner.HUB: HubRoutes(backend)}, auth=args.auth,
+        app = build_app(backend, {Owner.WRITES: HubRoutes(backend)}, auth=args.auth,
                         audit=Audit(args.audit_log))
         app[RELOAD_KEY] = [space.request_reload]
 

@@ -29,7 +29,37 @@ def _int_header(request: web.Request, name: str, default: int | None = None) -> 
     return int(raw)
 
 
-async def _chunks(request: web.Request) -> AsyncIterator[bytes]:
+def upload_request(request: web.Request) -> tuple[str, int, int, str]:
+    """A PUT's path, size, offset and version, checked (a hub's and a spoke's alike)."""
+    path = check_upload_path(request.match_info["path"])
+    size = _int_header(request, H_SIZE)
+    offset = _int_header(request, H_OFFSET, 0)
+    version = request.headers.get(H_VERSION, "")
+    if not check_version(version):
+        raise BadRequest(f"an upload needs the {H_VERSION} header: the version the whole "
+                         "file digests to (integrity.version_id)")
+    return path, size, offset, version
+
+
+async def commit_request(request: web.Request) -> tuple[list[str] | None, str | None]:
+    """A commit's paths or prefix, checked."""
+    body = await json_body(request)
+    if not isinstance(body, dict):
+        raise BadRequest("a commit's body is a JSON object: {\"paths\": [...]} or "
+                         "{\"prefix\": \"FOLDER/\"}")
+    paths, prefix = body.get("paths"), body.get("prefix")
+    if (paths is None) == (prefix is None):
+        raise BadRequest("a commit names either paths or a prefix")
+    if paths is not None:
+        if not (isinstance(paths, list) and paths and all(isinstance(p, str) for p in paths)):
+            raise BadRequest("paths must be a non-empty list of file paths")
+        return [check_upload_path(p) for p in paths], None
+    if not (isinstance(prefix, str) and prefix.strip("/")):
+        raise BadRequest("prefix must name a folder of the dataset")
+    return None, check_upload_path(prefix) + "/"
+
+
+async def chunks(request: web.Request) -> AsyncIterator[bytes]:
     # As they arrive (iter_any), not in fixed sizes: a connection lost raises at the next
     # read and drops what the reader buffered, so a fixed-size read would lose a body cut
     # short's tail (``Incoming._write`` gathers the pieces into large writes).
@@ -54,16 +84,10 @@ class HubRoutes:
     async def upload(self, request: web.Request) -> web.Response:
         """201 once the file is whole and checked; 200 while bytes are missing."""
         ds, inc = self._incoming(request)
-        path = check_upload_path(request.match_info["path"])
-        size = _int_header(request, H_SIZE)
-        offset = _int_header(request, H_OFFSET, 0)
-        version = request.headers.get(H_VERSION, "")
-        if not check_version(version):
-            raise BadRequest(f"an upload needs the {H_VERSION} header: the version the whole "
-                             "file digests to (integrity.version_id)")
+        path, size, offset, version = upload_request(request)
         counters = self.backend.counters
         try:
-            done = await inc.receive(path, size, version, offset, _chunks(request),
+            done = await inc.receive(path, size, version, offset, chunks(request),
                                      counters.upload_bytes.labels(ds).inc)
         except (DigestMismatch, NoSpace) as exc:
             counters.uploads_refused.labels(ds, exc.code).inc()
@@ -84,19 +108,5 @@ class HubRoutes:
     async def commit(self, request: web.Request) -> web.Response:
         """``{"paths": [...]}`` or ``{"prefix": "step-100/"}``: published as one snapshot."""
         ds, _ = self._incoming(request)
-        body = await json_body(request)
-        if not isinstance(body, dict):
-            raise BadRequest("a commit's body is a JSON object: {\"paths\": [...]} or "
-                             "{\"prefix\": \"FOLDER/\"}")
-        paths, prefix = body.get("paths"), body.get("prefix")
-        if (paths is None) == (prefix is None):
-            raise BadRequest("a commit names either paths or a prefix")
-        if paths is not None:
-            if not (isinstance(paths, list) and paths and all(isinstance(p, str) for p in paths)):
-                raise BadRequest("paths must be a non-empty list of file paths")
-            paths = [check_upload_path(p) for p in paths]
-        elif not (isinstance(prefix, str) and prefix.strip("/")):
-            raise BadRequest("prefix must name a folder of the dataset")
-        else:
-            prefix = check_upload_path(prefix) + "/"
+        paths, prefix = await commit_request(request)
         return web.json_response(await self.backend.commit(ds, paths, prefix), status=201)

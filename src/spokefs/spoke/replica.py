@@ -57,7 +57,17 @@ from spokefs.wire.backend import (
 )
 from spokefs.wire.bodies import read_body
 from spokefs.wire.client import UpstreamClient
-from spokefs.wire.headers import H_FORWARDED, H_INTERNAL, H_JOB, H_MEMBER, H_PEER, H_READER
+from spokefs.wire.headers import (
+    H_FORWARDED,
+    H_INTERNAL,
+    H_JOB,
+    H_MEMBER,
+    H_OFFSET,
+    H_PEER,
+    H_READER,
+    H_SIZE,
+    H_VERSION,
+)
 from spokefs.wire.routetable import Owner
 from spokefs.wire.server import BATCH_MEMORY, build_app
 
@@ -73,7 +83,7 @@ REPORT_EVERY = 0.05      # seconds between reports of reads and counts to the pr
 # its first bytes (spoke.routes).
 # The reader's Authorization goes too: the primary checks it again (wire.authz).
 _FORWARDED_HEADERS = ("Authorization", "Content-Type", "Range", H_READER, H_JOB, H_PEER,
-                      H_MEMBER, H_INTERNAL)
+                      H_MEMBER, H_INTERNAL, H_SIZE, H_OFFSET, H_VERSION)
 
 
 class ReplicaBackend:
@@ -165,10 +175,18 @@ class ReplicaBackend:
         comes (a batch read's frames, a manifest): nothing is held whole here."""
         headers = {h: request.headers[h] for h in _FORWARDED_HEADERS if h in request.headers}
         headers[H_FORWARDED] = "1"  # not the replica's own request: the token decides
-        body = bytes(await read_body(request))  # bounded, like the primary's own
-        # Retried until the primary answers; once its answer has begun, it goes on as is.
-        resp = await self._call(f"{request.method} {request.path}", self.primary.open,
-                                request.method, request.raw_path, headers, body)
+        if request.method == "PUT":
+            # An upload's body, of any size, streamed as it comes; sent once (its writer
+            # resumes from what the primary holds, as after any broken send).
+            if request.content_length is not None:
+                headers["Content-Length"] = str(request.content_length)
+            resp = await self.primary.open(request.method, request.raw_path, headers,
+                                           request.content)
+        else:
+            body = bytes(await read_body(request))  # bounded, like the primary's own
+            # Retried until the primary answers; once its answer has begun, it goes on as is.
+            resp = await self._call(f"{request.method} {request.path}", self.primary.open,
+                                    request.method, request.raw_path, headers, body)
         try:
             out = web.StreamResponse(status=resp.status, headers={
                 k: v for k, v in resp.headers.items() if k.lower() in _ANSWER_HEADERS

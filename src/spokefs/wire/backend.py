@@ -29,10 +29,12 @@ class DatasetInfo:
     # Version ids are content digests (integrity.version_id): a spoke checks every block
     # against them (spoke.commitments). A bucket hub's name a listing instead.
     content_ids: bool = False
+    writable: bool = False  # the hub takes uploads to it (hub/uploads.py; a spoke writes back)
 
     def to_json(self) -> dict[str, object]:
         return {"name": self.name, "block_size": self.block_size, "latest": self.latest,
-                "snapshots": self.snapshots, "content_ids": self.content_ids}
+                "snapshots": self.snapshots, "content_ids": self.content_ids,
+                **({"writable": True} if self.writable else {})}
 
     @classmethod
     def from_json(cls, doc: dict[str, object], default_block_size: int) -> DatasetInfo:
@@ -41,7 +43,7 @@ class DatasetInfo:
         return cls(str(doc["name"]), int(bs) if isinstance(bs, int) else default_block_size,
                    doc.get("latest"),  # type: ignore[arg-type]
                    list(doc.get("snapshots") or []),  # type: ignore[call-overload]
-                   doc.get("content_ids") is True)
+                   doc.get("content_ids") is True, doc.get("writable") is True)
 
 
 @dataclass(slots=True)

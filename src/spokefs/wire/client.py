@@ -21,6 +21,7 @@ import asyncio
 import gzip
 import json
 import time
+from collections.abc import AsyncIterable
 
 import aiohttp
 
@@ -145,10 +146,12 @@ class UpstreamClient:
             resp.release()
         return resp.status, dict(resp.headers), data
 
-    async def open(self, method: str, path: str, headers: dict[str, str], body: bytes
+    async def open(self, method: str, path: str, headers: dict[str, str],
+                   body: bytes | AsyncIterable[bytes] | aiohttp.StreamReader
                    ) -> aiohttp.ClientResponse:
         """Any request, up to its answer's head: the caller reads the body as it comes
-        (``resp.content``), of any size, and releases the response."""
+        (``resp.content``), of any size, and releases the response. ``body``: bytes, or
+        pieces streamed as they come (sent once: no retry can send them again)."""
         try:
             resp = await self.session.request(method, f"{self.base_url}{path}",
                                               headers=headers, data=body or None)

@@ -47,12 +47,13 @@ class Scope(enum.StrEnum):
 
 
 class Owner(enum.StrEnum):
-    """Whose handler answers: every server's API, the spoke's own routes, the hub's own
-    (writes), a replica worker's, the dashboard's files."""
+    """Whose handler answers: every server's API, the spoke's own routes, writes (a hub's
+    ``hub.routes.HubRoutes``, a spoke's write-back ``spoke.routes.WriteRoutes``: one
+    protocol), a replica worker's, the dashboard's files."""
 
     API = "api"
     SPOKE = "spoke"
-    HUB = "hub"
+    WRITES = "writes"
     REPLICA = "replica"
     UI = "ui"
 
@@ -70,7 +71,7 @@ class Route:
     ok: tuple[int, ...] = (200,)  # the statuses of a success (the OpenAPI document's)
 
 
-_A, _S, _H, _R, _U = Owner.API, Owner.SPOKE, Owner.HUB, Owner.REPLICA, Owner.UI
+_A, _S, _W, _R, _U = Owner.API, Owner.SPOKE, Owner.WRITES, Owner.REPLICA, Owner.UI
 _DS = "/v1/datasets/{ds}"
 _UP = _DS + "/uploads"
 _JOB = _DS + "/jobs/{job}"
@@ -101,18 +102,21 @@ ROUTES: tuple[Route, ...] = (
           summary="reads served from the cache files elsewhere (same-host readers)"),
     Route("POST", "/v1/workers/counts", "counts", Scope.INTERNAL, _S, primary=True,
           summary="a replica worker's counters"),
-    # The hub's own (hub.routes.HubRoutes): writes to a writable dataset.
-    Route("GET", _UP, "uploads", Scope.WRITE, _H,
-          summary="a writable dataset's uploads not yet committed"),
-    Route("PUT", _UP + "/{path:.*}", "upload", Scope.WRITE, _H, ok=(200, 201),
+    # Writes to a writable dataset: the hub's (hub.routes.HubRoutes), or a spoke's
+    # write-back (spoke.routes.WriteRoutes; its primary worker answers them).
+    Route("GET", _UP, "uploads", Scope.WRITE, _W, primary=True,
+          summary="a writable dataset's uploads not yet committed (a spoke: and its commits "
+          "not yet published at the hub)"),
+    Route("PUT", _UP + "/{path:.*}", "upload", Scope.WRITE, _W, primary=True, ok=(200, 201),
           summary="bytes of a file to publish, from an offset (resumable), checked whole "
           "against the version declared"),
-    Route("GET", _UP + "/{path:.*}", "upload_state", Scope.WRITE, _H,
+    Route("GET", _UP + "/{path:.*}", "upload_state", Scope.WRITE, _W, primary=True,
           summary="how much of an upload was received, and whether it is whole"),
-    Route("DELETE", _UP + "/{path:.*}", "discard_upload", Scope.WRITE, _H,
+    Route("DELETE", _UP + "/{path:.*}", "discard_upload", Scope.WRITE, _W, primary=True,
           summary="drop an upload not yet committed"),
-    Route("POST", _DS + "/commit", "commit", Scope.WRITE, _H, ok=(201,),
-          summary="publish whole uploads together, as one new snapshot"),
+    Route("POST", _DS + "/commit", "commit", Scope.WRITE, _W, primary=True, ok=(201, 202),
+          summary="publish whole uploads together, as one new snapshot (a spoke: 202, "
+          "durable there, published at the hub once uploaded)"),
     # A replica worker's own.
     Route("POST", "/v1/workers/flush", "flush", Scope.INTERNAL, _R,
           summary="a replica worker reports what it counted now"),

@@ -399,8 +399,8 @@ class Api:
 
     async def openapi(self, request: web.Request) -> web.Response:
         """The routes this server answers, with the scope each needs (``wire.routetable``)."""
-        owners = [Owner.API, Owner.UI, {"spoke": Owner.SPOKE, "hub": Owner.HUB}.get(
-            self.backend.role, Owner.API)]
+        owners = [Owner.API, Owner.UI, Owner.WRITES] + (
+            [Owner.SPOKE] if self.backend.role == "spoke" else [])
         return web.json_response(openapi(owners, f"spokefs {self.backend.role}"))
 
     # -- probes ------------------------------------------------------------------------------
