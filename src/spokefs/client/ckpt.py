@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from spokefs.errors import ConfigError
+from spokefs.units import parse_duration
 
 if TYPE_CHECKING:
     from spokefs.client.uploads import Uploader
@@ -52,6 +53,25 @@ def register(sub: argparse._SubParsersAction) -> None:
     uploads.add_argument("url", metavar="URL", help="http://hub:port/<dataset>[/<folder>]")
     uploads.set_defaults(func=_uploads)
 
+    status = cmds.add_parser(
+        "status", help="what a spoke holds that is not yet safe at the hub",
+        description="Through a spoke (write-back): each commit as local, uploading or waiting "
+        "(bytes left), those the hub refused, and the last ones published; at a hub, its "
+        "uploads not yet committed.")
+    status.add_argument("url", metavar="URL", help="http://spoke:port/<dataset>[/<folder>]")
+    status.set_defaults(func=_status)
+
+    wait = cmds.add_parser(
+        "wait", help="block until what was written under URL's folder is safe at the hub",
+        description="Returns once no commit naming a file under the folder waits at the "
+        "spoke: each is published at the hub.",
+        epilog="Exit status: 0 safe; 1 the timeout passed; 2 the hub refused a commit (the "
+        "reason is printed) or another error.")
+    wait.add_argument("url", metavar="URL", help="http://spoke:port/<dataset>[/<folder>]")
+    wait.add_argument("--timeout", type=parse_duration, default=3600.0, metavar="DURATION",
+                      help="give up after this long (default 1h)")
+    wait.set_defaults(func=_wait)
+
 
 def _uploader(url: str) -> tuple[Uploader, str]:
     from spokefs.client.uploads import Uploader
@@ -89,8 +109,16 @@ def _push(args: argparse.Namespace) -> int:
         print(f"not published yet: spokefs ckpt commit {args.url}")
         return 0
     doc = up.commit(paths=[p for p, _ in files])
-    print(f"published {len(doc['committed'])} files as snapshot {doc['id']} of {up.dataset}")
+    _committed(doc, args.url, up.dataset)
     return 0
+
+
+def _committed(doc: dict, url: str, dataset: str) -> None:
+    if doc.get("safe") is False:  # a spoke's write-back: durable there, the hub's soon
+        print(f"committed {len(doc['committed'])} files at the spoke; uploading them to the "
+              f"hub (spokefs ckpt wait {url})")
+    else:
+        print(f"published {len(doc['committed'])} files as snapshot {doc['id']} of {dataset}")
 
 
 def _commit(args: argparse.Namespace) -> int:
@@ -99,8 +127,7 @@ def _commit(args: argparse.Namespace) -> int:
         raise ConfigError(f"{args.url}: name the folder to commit "
                           "(http://hub:port/<dataset>/<folder>)")
     doc = up.commit(prefix=folder.rstrip("/") + "/")
-    print(f"published {len(doc['committed'])} files under {folder}/ as snapshot {doc['id']} "
-          f"of {up.dataset}")
+    _committed(doc, args.url, up.dataset)
     return 0
 
 
@@ -111,4 +138,35 @@ def _uploads(args: argparse.Namespace) -> int:
     rows = [u for u in up.listing() if not folder or u["path"].startswith(folder + "/")]
     print(table([[u["path"], u["received"], u["size"], "yes" if u["whole"] else "no"]
                  for u in rows], ["path", "received", "size", "whole"]))
+    return 0
+
+
+def _status(args: argparse.Namespace) -> int:
+    from spokefs.tables import table
+
+    up, folder = _uploader(args.url)
+    doc = up.writeback()
+    under = folder.rstrip("/") + "/" if folder else ""
+    if "commits" not in doc:  # a hub: its uploads only
+        return _uploads(args)
+    rows = [[c["commit"], c["files"], c["bytes"], c["state"]] for c in doc["commits"]
+            if any(p.startswith(under) for p in c["paths"])]
+    rows += [[c["commit"], len(c["paths"]), "", f"refused: {c['error']}"]
+             for c in doc["failed"] if any(p.startswith(under) for p in c["paths"])]
+    rows += [[c["commit"], c["files"], c["bytes"], f"safe ({c['snapshot'] or 'at the hub'})"]
+             for c in doc["done"][-10:] if any(p.startswith(under) for p in c["paths"])]
+    print(table(rows, ["commit", "files", "bytes", "state"]))
+    print(f"{doc['unsafe_bytes']} bytes not yet safe at the hub"
+          + (f"; last error: {doc['last_error']}" if doc.get("last_error") else ""))
+    return 0
+
+
+def _wait(args: argparse.Namespace) -> int:
+    up, folder = _uploader(args.url)
+    safe = up.wait_safe(folder.rstrip("/") + "/" if folder else "", args.timeout)
+    if not safe:
+        print(f"not yet safe at the hub after {args.timeout:g}s: spokefs ckpt status "
+              f"{args.url}", file=sys.stderr)
+        return 1
+    print(f"safe at the hub: {args.url}")
     return 0

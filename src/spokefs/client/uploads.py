@@ -186,6 +186,29 @@ class Uploader:
             time.sleep(pause)
         raise AssertionError("unreachable")
 
+    def writeback(self) -> dict[str, Any]:
+        """The dataset's uploads document: at a spoke, with ``commits`` (not yet published
+        at the hub), ``failed``, ``done`` and ``unsafe_bytes`` (``spoke/writeback.py``)."""
+        return dict(self.client.get_json(f"/v1/datasets/{quote(self.dataset)}/uploads"))
+
+    def wait_safe(self, prefix: str = "", timeout: float = 3600.0, poll: float = 0.2) -> bool:
+        """True once no commit naming a path under ``prefix`` waits at the spoke (each is
+        published at the hub); False when ``timeout`` passed first. Conflict when the hub
+        refused one (its reason). At a hub, what is committed is safe: True at once."""
+        end = time.monotonic() + timeout
+        while True:
+            doc = self.writeback()
+            for c in doc.get("failed", ()):
+                if any(p.startswith(prefix) for p in c["paths"]):
+                    raise Conflict(f"commit {c['commit']} was refused by the hub: {c['error']}")
+            if not any(any(p.startswith(prefix) for p in c["paths"])
+                       for c in doc.get("commits", ())):
+                return True
+            if time.monotonic() >= end:
+                return False
+            time.sleep(min(poll, max(0.0, end - time.monotonic())))
+            poll = min(poll * 1.5, 2.0)
+
     def _named(self, ups: list[dict[str, Any]], paths: list[str] | None,
                prefix: str | None) -> list[dict[str, Any]]:
         return [u for u in ups

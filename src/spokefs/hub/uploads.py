@@ -154,6 +154,11 @@ class Incoming:
         for suffix in (".part", ".json"):
             (self.dir / f"{key}{suffix}").unlink(missing_ok=True)
 
+    def upload(self, path: str) -> Upload | None:
+        """What is held of an upload of ``path``, None if none."""
+        up = self._meta(_key(path))
+        return up if up is not None and up.path == path else None
+
     def state(self, path: str) -> dict[str, Any]:
         key = _key(path)
         up = self._meta(key)

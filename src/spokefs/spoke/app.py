@@ -7,7 +7,7 @@ from pathlib import Path
 from aiohttp import web
 
 from spokefs.spoke.config import SpokeConfig
-from spokefs.spoke.routes import SpokeRoutes
+from spokefs.spoke.routes import SpokeRoutes, WriteRoutes
 from spokefs.spoke.service import SpokeBackend
 from spokefs.spoke.tier import peer_middleware
 from spokefs.wire.authz import JobOwners
@@ -18,7 +18,8 @@ from spokefs.wire.server import RELOAD_KEY, build_app
 
 def build_spoke_app(backend: SpokeBackend) -> web.Application:
     auth = backend.config.auth
-    app = build_app(backend, {Owner.SPOKE: SpokeRoutes(backend)}, counts=backend,
+    app = build_app(backend, {Owner.SPOKE: SpokeRoutes(backend),
+                                       Owner.WRITES: WriteRoutes(backend)}, counts=backend,
                     auth=Path(auth) if auth else None, jobs=JobOwners(), audit=backend.audit,
                     internal_key=lambda: backend.store.key,
                     batch_memory=backend.config.batch_memory)

@@ -89,6 +89,10 @@ def register(sub: argparse._SubParsersAction) -> None:
                        metavar="DURATION", help="a file changed or removed at the source "
                        "leaves the cache within this long once no snapshot in use holds it "
                        "(default 10m; 0: kept until evicted; docs/security.md)")
+    serve.add_argument("--unsafe-quota", type=parse_size, default=64 << 30, metavar="SIZE",
+                       help="bytes written through this spoke into a writable dataset and not "
+                       "yet published at the hub, at most (default 64GiB): past it, new "
+                       "uploads answer 507 until the hub has taken some (docs/checkpoints.md)")
     serve.add_argument("--workers", type=int, default=None, metavar="N",
                        help="processes serving readers (default: the number of cores, at "
                        "most 16): one primary fills the cache, the others serve from it too")
@@ -132,7 +136,7 @@ def _serve(args: argparse.Namespace) -> int:
                          prefetch_inflight=args.prefetch_inflight,
                          pacing=not args.no_pacing, write_io=args.write_io,
                          read_window=args.read_window, pin_ttl=args.pin_ttl,
-                         stale_after=args.stale_after,
+                         stale_after=args.stale_after, unsafe_quota=args.unsafe_quota,
                          auth=str(args.auth) if args.auth else None,
                          audit_log=args.audit_log,
                          upstream_token_file=specs[0].token_file,

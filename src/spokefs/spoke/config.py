@@ -41,6 +41,9 @@ class SpokeConfig:
     batch_memory: int = BATCH_MEMORY
     pin_ttl: float = 24 * 3600.0    # a warm-up's pins are released after this long
     pin_share: float = 0.8          # most of the capacity warm-ups may pin at once
+    # Bytes written here (spoke.writeback) and not yet published at the hub, at most: past
+    # it, new uploads are refused (507) until the hub has taken some.
+    unsafe_quota: int = 64 << 30
     # Blocks of a file version no snapshot in use holds (changed or removed at the source)
     # leave the cache within this long; 0 keeps them until evicted (retire_stale).
     stale_after: float = 600.0

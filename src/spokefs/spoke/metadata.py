@@ -114,6 +114,10 @@ class Metadata:
         self.store.kv_set(f"dataset:{name}", json.dumps(info.to_json()))
         return info
 
+    def forget(self, name: str) -> None:
+        """The dataset's info asked again at its next use (a commit made it stale)."""
+        self._datasets.pop(name, None)
+
     def known(self, name: str) -> DatasetInfo | None:
         """The dataset's info as this spoke has it now (memory, then disk); no I/O upstream."""
         cached = self._datasets.get(name)

@@ -13,6 +13,7 @@ TypeError deep inside (a 500) or work that grows with a number the client picked
 
 from __future__ import annotations
 
+import asyncio
 import bisect
 import time
 from typing import Any
@@ -20,6 +21,8 @@ from typing import Any
 from aiohttp import web
 
 from spokefs.errors import BadRequest, TooLarge
+from spokefs.hub.routes import chunks, commit_request, upload_request
+from spokefs.hub.uploads import check_upload_path
 from spokefs.manifest import Manifest
 from spokefs.planner.order import MAX_ORDER_ENTRIES, check_order
 from spokefs.spoke.jobsignal import MAX_STEPS, check_steps
@@ -394,3 +397,39 @@ class SpokeRoutes:
             keep = [check_snapshot_id(k) for k in keep]
         freed = await self.backend.retention.purge(ds, keep)
         return web.json_response({"dataset": ds, "freed_bytes": freed})
+
+
+class WriteRoutes:
+    """Writes to a writable dataset of the hub, written back (``spoke.writeback``): the
+    hub's protocol (``hub.routes``), answered by the primary worker."""
+
+    def __init__(self, backend: SpokeBackend) -> None:
+        self.wb = backend.writeback
+
+    async def uploads(self, request: web.Request) -> web.Response:
+        ds = check_dataset_name(request.match_info["ds"])
+        return web.json_response(await self.wb.listing(ds))
+
+    async def upload(self, request: web.Request) -> web.Response:
+        ds = check_dataset_name(request.match_info["ds"])
+        path, size, offset, version = upload_request(request)
+        done = await self.wb.receive(ds, path, size, version, offset, chunks(request))
+        return web.json_response({"dataset": ds, **done}, status=201 if done["whole"] else 200)
+
+    async def upload_state(self, request: web.Request) -> web.Response:
+        ds = check_dataset_name(request.match_info["ds"])
+        path = check_upload_path(request.match_info["path"])
+        inc = await self.wb.incoming(ds)
+        return web.json_response({"dataset": ds, **await asyncio.to_thread(inc.state, path)})
+
+    async def discard_upload(self, request: web.Request) -> web.Response:
+        ds = check_dataset_name(request.match_info["ds"])
+        path = check_upload_path(request.match_info["path"])
+        inc = await self.wb.incoming(ds)
+        await asyncio.to_thread(inc.discard, path)
+        return web.json_response({"dataset": ds, "path": path, "discarded": True})
+
+    async def commit(self, request: web.Request) -> web.Response:
+        ds = check_dataset_name(request.match_info["ds"])
+        paths, prefix = await commit_request(request)
+        return web.json_response(await self.wb.commit(ds, paths, prefix), status=202)

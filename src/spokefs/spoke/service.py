@@ -50,6 +50,7 @@ from spokefs.spoke.retention import Retention
 from spokefs.spoke.tier import Peer
 from spokefs.spoke.upstreams import Routes
 from spokefs.spoke.warmup import Held, Warmups
+from spokefs.spoke.writeback import WRITE_TIMEOUT, WriteBack
 from spokefs.tasks import Tasks
 from spokefs.wire.backend import (
     BlockPart,
@@ -128,6 +129,14 @@ class SpokeBackend:
         self.member = (Member(self.tier, self.store, self.tasks, config.tier_handoff)
                        if self.tier is not None else None)
         self.prefetch: PrefetchDriver | None = None  # set by start() unless disabled
+        # Writes into a writable dataset, durable here, uploaded to the hub behind (its own
+        # clients: an upload's answer waits for the hub's read-back of the whole file).
+        self.writeback = WriteBack(
+            config.cache_dir / "writeback", self.metadata,
+            [UpstreamClient(s.url, max_connections=2, request_timeout=WRITE_TIMEOUT, token=t)
+             for s, t in zip(self.routes.specs, tokens, strict=True)],
+            config.unsafe_quota)
+        self.registry.register(self.writeback)
         self.started = time.time()
 
     # -- lifecycle ---------------------------------------------------------------------------
@@ -142,6 +151,7 @@ class SpokeBackend:
         self.tasks.keep(LoopLag(self.registry).run, "loop-lag")
         if self.member is not None:
             self.member.start()
+        self.tasks.keep(self.writeback.run, "write-back")
         if self.config.prefetch:
             planner = Planner(capacity=self.store.capacity,
                               max_inflight_bytes=self.config.prefetch_inflight,
@@ -156,7 +166,7 @@ class SpokeBackend:
     async def close(self) -> None:
         await self.tasks.close()
         await self.fetcher.close()
-        for client in self.upstreams:
+        for client in [*self.upstreams, *self.writeback.clients]:
             await client.close()
         self.reads.close()
         await asyncio.to_thread(self.store.close)

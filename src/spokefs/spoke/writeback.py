@@ -1,0 +1,389 @@
+"""Write-back: files written through the spoke into a writable dataset of its hub. A write is
+answered once its bytes are durable on the spoke's disk and checked against the version
+their writer declared; the spoke then uploads them to the hub in the background, and a
+commit made here is sent to the hub once every file it names is whole there. A reader at
+the hub, or at any spoke, sees the commit's files all at once or not at all.
+
+The protocol is the hub's own (``hub/uploads.py``, docs/protocol.md): the same routes, so a
+writer (``spokefs ckpt push``, ``Uploader``) talks to a spoke as to a hub. What differs:
+
+- ``POST .../commit`` answers 202: the commit is durable here, not yet at the hub.
+  ``GET .../uploads`` then lists it under ``commits`` (``local`` or ``uploading``, bytes
+  left) until the hub has published it, then under ``done`` with the hub's snapshot id;
+  ``spokefs ckpt wait`` blocks until then.
+- Unsafe bytes (held here, not yet published at the hub) are bounded by ``--unsafe-quota``:
+  past it, while the link is down, a new upload is refused with 507 (``ENOSPC`` at a
+  writer) and a log line; nothing acknowledged is ever dropped.
+
+Where things are (``CACHE/writeback/DS/``): the uploads and commit journals of ``Incoming``
+(its receiving and checking, reused as they are), ``done.jsonl`` (commits the hub has
+published, newest last) and ``COMMIT.sent`` markers (a commit was sent: on a restart, the
+hub is asked whether it landed before anything is sent again). The hub is the truth for
+what it holds: after a restart, each upload resumes from the bytes the hub reports.
+
+One upload at a time goes to the hub, oldest commit first, so reads (the spoke's fetches)
+keep most of the link; pacing against reads is not measured yet (docs/checkpoints.md).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import os
+import time
+from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
+from typing import Any
+from urllib.parse import quote
+
+import aiohttp
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+
+from spokefs.cache.durable import write_durably
+from spokefs.errors import (
+    Conflict,
+    DigestMismatch,
+    Forbidden,
+    NoSpace,
+    NotFound,
+    SpokeError,
+    Transient,
+    UpstreamUnavailable,
+)
+from spokefs.hub.uploads import Incoming, Placed, Upload, _key
+from spokefs.spoke.metadata import Metadata
+from spokefs.wire.client import UpstreamClient
+from spokefs.wire.errors import error_for_transport, raise_for_status
+from spokefs.wire.headers import H_OFFSET, H_SIZE, H_VERSION
+
+log = logging.getLogger(__name__)
+
+PIECE = 1 << 20          # bytes read from a part per piece of an upload's body
+DONE_KEPT = 100          # commits published, listed in a dataset's ``done``
+IDLE = 2.0               # seconds between looks for work when none was signalled
+BACKOFF_MOST = 30.0      # seconds between tries while the hub is unreachable
+WRITE_TIMEOUT = 900.0    # seconds an upload's answer may take: the hub reads the file back
+
+
+class WriteBack:
+    """Every writable dataset's write-back on this spoke (``root``: CACHE/writeback)."""
+
+    def __init__(self, root: Path, metadata: Metadata, clients: list[UpstreamClient],
+                 unsafe_quota: int) -> None:
+        self.root = root
+        self.metadata = metadata
+        self.clients = clients  # per upstream (metadata.routes' order): long timeouts
+        self.unsafe_quota = unsafe_quota
+        self._incoming: dict[str, Incoming] = {}
+        self._wake = asyncio.Event()
+        self.sent_bytes = 0          # bytes uploaded to the hub by this process
+        self.last_error: str | None = None
+
+    # -- what is held ------------------------------------------------------------------------
+    async def incoming(self, ds: str) -> Incoming:
+        """``ds``'s uploads here; Forbidden unless the hub serves it writable. With the hub
+        unreachable, what this spoke wrote down when it first wrote to ``ds`` stands."""
+        try:
+            info = await self.metadata.dataset(ds)
+        except (Transient, UpstreamUnavailable):
+            inc = self._incoming.get(ds) or await asyncio.to_thread(self._restored, ds)
+            if inc is None:
+                raise
+            return inc
+        if not info.writable:
+            raise Forbidden(f"dataset {ds!r} is read-only at its hub: a spoke writes back only "
+                            "to a dataset the hub declares writable")
+        inc = self._incoming.get(ds)
+        if inc is None or inc.block_size != info.block_size:
+            inc = await asyncio.to_thread(self._open, ds, info.block_size)
+        return inc
+
+    def _open(self, ds: str, block_size: int) -> Incoming:
+        """``ds``'s folder here, its block size written down (durably) for a restart."""
+        folder = self.root / ds
+        (folder / "data").mkdir(parents=True, exist_ok=True)
+        write_durably(folder / "dataset.json", json.dumps({"block_size": block_size}).encode())
+        inc = self._incoming[ds] = Incoming(folder / "data", folder, block_size)
+        return inc
+
+    def _restored(self, ds: str) -> Incoming | None:
+        try:
+            doc = json.loads((self.root / ds / "dataset.json").read_bytes())
+            block_size = int(doc["block_size"])
+        except (OSError, ValueError, KeyError, TypeError):
+            return None
+        inc = self._incoming[ds] = Incoming(self.root / ds / "data", self.root / ds, block_size)
+        return inc
+
+    def _known(self) -> dict[str, Incoming]:
+        """Every dataset with a folder here (a restart's too)."""
+        if self.root.is_dir():
+            for folder in self.root.iterdir():
+                if folder.name not in self._incoming and folder.is_dir():
+                    self._restored(folder.name)
+        return dict(self._incoming)
+
+    def collect(self) -> Iterator[Metric]:
+        """At scrape time (a collector of the spoke's registry), per dataset written here."""
+        labels = ["dataset"]
+        unsafe = GaugeMetricFamily("spokefs_writeback_unsafe_bytes", "Bytes written through "
+                                   "this spoke and not yet published at the hub", labels=labels)
+        oldest = GaugeMetricFamily("spokefs_writeback_oldest_unsafe_seconds", "Age of the "
+                                   "oldest upload held here and not yet published at the hub "
+                                   "(0: none)", labels=labels)
+        commits = GaugeMetricFamily("spokefs_writeback_commits_waiting", "Commits made here "
+                                    "and not yet published at the hub", labels=labels)
+        now = time.time()
+        for ds, inc in self._known().items():
+            held = list(inc.dir.glob("*.json")) if inc.dir.is_dir() else []
+            ages = []
+            for meta in held:
+                try:
+                    ages.append(now - meta.stat().st_mtime)
+                except FileNotFoundError:
+                    continue
+            unsafe.add_metric([ds], sum(u["size"] for u in inc.listing()))
+            oldest.add_metric([ds], max(ages, default=0.0))
+            commits.add_metric([ds], len(self._journals(inc)))
+        yield unsafe
+        yield oldest
+        yield commits
+        yield CounterMetricFamily("spokefs_writeback_sent_bytes", "Bytes this spoke uploaded "
+                                  "to its hub (write-back)", value=self.sent_bytes)
+
+    def unsafe_bytes(self) -> int:
+        """Bytes held here that the hub has not published yet."""
+        return sum(u["size"] for inc in self._known().values() for u in inc.listing())
+
+    async def receive(self, ds: str, path: str, size: int, version: str, offset: int,
+                      body: AsyncIterator[bytes]) -> dict[str, Any]:
+        inc = await self.incoming(ds)
+        held_now = await asyncio.to_thread(inc.upload, path)
+        if offset == 0 and (held_now is None or held_now.version != version):
+            held = await asyncio.to_thread(self.unsafe_bytes)
+            if held + size > self.unsafe_quota:
+                log.error("write-back of %s/%s refused: %d bytes are not yet safe at the hub, "
+                          "the quota is %d (--unsafe-quota); is the link down? %s", ds, path,
+                          held, self.unsafe_quota, self.last_error or "")
+                raise NoSpace(f"the spoke holds {held} bytes not yet safe at the hub; "
+                              f"{size} more would pass its quota of {self.unsafe_quota} "
+                              "(--unsafe-quota): wait for the uploads to the hub")
+        done = await inc.receive(path, size, version, offset, body)
+        if done["whole"]:
+            self._wake.set()
+        return done
+
+    async def commit(self, ds: str, paths: list[str] | None, prefix: str | None
+                     ) -> dict[str, Any]:
+        """The commit journalled here (durably); the hub gets it once its files are whole
+        there. 202's document: what it names and how much is left to send."""
+        inc = await self.incoming(ds)
+        journal, chosen = await asyncio.to_thread(inc.prepare, paths, prefix)
+        self._wake.set()
+        return {"dataset": ds, "commit": journal.stem, "committed": chosen, "safe": False,
+                "state": "local"}
+
+    async def listing(self, ds: str) -> dict[str, Any]:
+        inc = await self.incoming(ds)
+        return await asyncio.to_thread(self._listing, ds, inc)
+
+    def _listing(self, ds: str, inc: Incoming) -> dict[str, Any]:
+        ups = inc.listing()
+        sizes = {u["path"]: u["size"] for u in ups}
+        commits = []
+        for journal, paths in self._journals(inc):
+            left = sum(sizes.get(p, 0) for p in paths)
+            # "waiting": the last try to reach the hub failed (``last_error`` says why).
+            commits.append({"commit": journal.stem, "files": len(paths), "paths": paths,
+                            "bytes": left,
+                            "state": "waiting" if self.last_error else "uploading"})
+        failed = []
+        for journal in sorted((inc.journals / "failed").glob("*.json")):
+            try:
+                doc = json.loads(journal.read_bytes())
+            except (OSError, ValueError):
+                continue
+            failed.append({"commit": journal.stem, "error": doc.get("error"),
+                           "paths": [u["path"] for u in doc.get("uploads", [])]})
+        return {"dataset": ds, "uploads": ups, "commits": commits, "failed": failed,
+                "done": self._done(ds), "unsafe_bytes": sum(sizes.values()),
+                "last_error": self.last_error}
+
+    def _journals(self, inc: Incoming) -> list[tuple[Path, list[str]]]:
+        out = []
+        for journal in sorted(inc.journals.glob("*.json")) if inc.journals.is_dir() else []:
+            try:
+                doc = json.loads(journal.read_bytes())
+                out.append((journal, [str(u["path"]) for u in doc["uploads"]]))
+            except (OSError, ValueError, KeyError, TypeError):
+                continue
+        return out
+
+    def _done(self, ds: str) -> list[dict[str, Any]]:
+        try:
+            lines = (self.root / ds / "done.jsonl").read_text().splitlines()
+        except FileNotFoundError:
+            return []
+        out = []
+        for line in lines[-DONE_KEPT:]:
+            try:
+                out.append(json.loads(line))
+            except ValueError:
+                continue  # a line torn by a crash: the hub holds the truth
+        return out
+
+    # -- to the hub --------------------------------------------------------------------------
+    async def run(self) -> None:
+        """Forever: send what is whole here to the hub, then the commits whose files all are."""
+        pause = IDLE
+        while True:
+            try:
+                busy = await self.pass_once()
+                self.last_error = None
+                pause = IDLE if not busy else 0.0
+            except (SpokeError, OSError, aiohttp.ClientError) as exc:
+                self.last_error = f"{type(exc).__name__}: {exc}"
+                log.warning("write-back: the hub cannot take uploads now (%s); trying again in "
+                            "%.0fs", exc, pause)
+                pause = min(max(pause * 2, 1.0), BACKOFF_MOST)
+            if pause:
+                self._wake.clear()
+                try:
+                    await asyncio.wait_for(self._wake.wait(), pause)
+                except TimeoutError:
+                    pass
+
+    async def pass_once(self) -> bool:
+        """One round of work: True if it did something (look again at once)."""
+        did = False
+        for ds, inc in self._known().items():
+            for journal, paths in await asyncio.to_thread(self._journals, inc):
+                await self._finish(ds, inc, journal, paths)
+                did = True
+            for u in await asyncio.to_thread(inc.listing):
+                if u["whole"] and not u["committing"]:
+                    did = await self._send(ds, inc, u["path"]) or did
+        return did
+
+    def _client(self, ds: str) -> UpstreamClient:
+        i = self.metadata.routes.index(ds)
+        if i is None:
+            raise NotFound(f"dataset {ds!r} is served by no upstream of this spoke")
+        return self.clients[i]
+
+    def _url(self, ds: str, path: str = "") -> str:
+        base = f"/v1/datasets/{quote(ds)}/uploads"
+        return f"{base}/{quote(path)}" if path else base
+
+    async def _hub_state(self, ds: str, path: str) -> dict[str, Any] | None:
+        try:
+            return await self._client(ds).get_json(self._url(ds, path))
+        except NotFound:
+            return None
+
+    async def _send(self, ds: str, inc: Incoming, path: str) -> bool:
+        """``path``'s upload whole at the hub (from the bytes the hub holds); True if bytes
+        were sent."""
+        up = inc.upload(path)
+        if up is None or not up.whole:
+            return False
+        held = await self._hub_state(ds, path)
+        offset = 0
+        if held is not None and (held["size"], held["version"]) == (up.size, up.version):
+            if held["whole"]:
+                return False
+            offset = int(held["received"])
+        part = inc.dir / f"{_key(path)}.part"
+        headers = {H_SIZE: str(up.size), H_VERSION: up.version, H_OFFSET: str(offset),
+                   "Content-Type": "application/octet-stream",
+                   "Content-Length": str(up.size - offset)}
+        client = self._client(ds)
+        resp = await client.open("PUT", self._url(ds, path), headers, _pieces(part, offset,
+                                                                              up.size, self))
+        try:
+            body = await resp.read()
+        except aiohttp.ClientError as exc:
+            raise error_for_transport(exc, client.base_url) from exc
+        finally:
+            resp.release()
+        if resp.status == 422:
+            # The hub's digest disagrees with the one made here on arrival: bytes changed in
+            # flight (the hub dropped them): sent again from 0 on the next round.
+            log.error("write-back of %s/%s: the hub refused its digest (%s); sending it again",
+                      ds, path, body[:200])
+            return True
+        if resp.status >= 400:
+            raise_for_status(resp.status, body, f"PUT {path}", final=True)
+        return True
+
+    async def _finish(self, ds: str, inc: Incoming, journal: Path, paths: list[str]) -> None:
+        """A commit journalled here: each file whole at the hub, then the hub's commit; once
+        the hub has published it, the local copies go."""
+        ups = [u for u in (inc.upload(p) for p in paths) if u is not None]
+        sent = journal.with_suffix(".sent")
+        if sent.exists() and await self._landed(ds, ups):
+            await asyncio.to_thread(self._published, ds, inc, journal, ups,
+                                    {"id": None, "recovered": True})
+            return
+        for up in ups:
+            await self._send(ds, inc, up.path)
+        await asyncio.to_thread(write_durably, sent, b"")
+        try:
+            doc = await self._client(ds).post_json(f"/v1/datasets/{quote(ds)}/commit",
+                                                   {"paths": [u.path for u in ups]})
+        except Transient:
+            raise  # lost or never sent: the marker makes the next round ask first
+        except (Conflict, NotFound, Forbidden, DigestMismatch) as exc:
+            if await self._landed(ds, ups):
+                doc = {"id": None, "recovered": True}
+            else:
+                await asyncio.to_thread(self._failed, inc, journal, ups, str(exc))
+                return
+        await asyncio.to_thread(self._published, ds, inc, journal, ups, doc)
+
+    async def _landed(self, ds: str, ups: list[Upload]) -> bool:
+        """True when the hub's latest snapshot holds every upload at its version (a commit
+        whose answer was lost, or sent before a restart)."""
+        client = self._client(ds)
+        try:
+            m = await client.manifest(ds, "latest")
+        except NotFound:
+            return False
+        have = dict(zip(m.paths, m.versions, strict=True))
+        return all(have.get(u.path) == u.version for u in ups)
+
+    def _published(self, ds: str, inc: Incoming, journal: Path, ups: list[Upload],
+                   doc: dict[str, Any]) -> None:
+        line = json.dumps({"commit": journal.stem, "snapshot": doc.get("id"),
+                           "files": len(ups), "bytes": sum(u.size for u in ups),
+                           "paths": [u.path for u in ups][:1000], "at": time.time()})
+        with open(self.root / ds / "done.jsonl", "a") as f:
+            f.write(line + "\n")
+            f.flush()
+            os.fsync(f.fileno())
+        inc.retire([(journal, ups)])
+        journal.with_suffix(".sent").unlink(missing_ok=True)
+        self.metadata.forget(ds)  # the primary's reads see the new snapshot at once
+        log.info("write-back: commit %s of %s published at the hub (%d files)", journal.stem,
+                 ds, len(ups))
+
+    def _failed(self, inc: Incoming, journal: Path, ups: list[Upload], why: str) -> None:
+        inc._fail(journal, ups, f"the hub refused the commit: {why}", Placed())
+        journal.with_suffix(".sent").unlink(missing_ok=True)
+
+
+async def _pieces(part: Path, offset: int, size: int, wb: WriteBack) -> AsyncIterator[bytes]:
+    """The part's bytes from ``offset``, a piece at a time, read off the event loop."""
+    f = await asyncio.to_thread(open, part, "rb")
+    try:
+        at = offset
+        while at < size:
+            piece = await asyncio.to_thread(os.pread, f.fileno(), min(PIECE, size - at), at)
+            if not piece:
+                raise SpokeError(f"{part} is shorter than its upload: {at} of {size} bytes")
+            at += len(piece)
+            wb.sent_bytes += len(piece)
+            yield piece
+    finally:
+        f.close()
