@@ -42,6 +42,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 
 from spokefs.cache.durable import write_durably
 from spokefs.errors import (
+    BadRequest,
     Conflict,
     DigestMismatch,
     Forbidden,
@@ -79,6 +80,7 @@ class WriteBack:
         self._wake = asyncio.Event()
         self.sent_bytes = 0          # bytes uploaded to the hub by this process
         self.last_error: str | None = None
+        self._refused: dict[tuple[str, str], int] = {}  # 422s from the hub, per upload
 
     # -- what is held ------------------------------------------------------------------------
     async def incoming(self, ds: str) -> Incoming:
@@ -309,10 +311,16 @@ class WriteBack:
             resp.release()
         if resp.status == 422:
             # The hub's digest disagrees with the one made here on arrival: bytes changed in
-            # flight (the hub dropped them): sent again from 0 on the next round.
-            log.error("write-back of %s/%s: the hub refused its digest (%s); sending it again",
-                      ds, path, body[:200])
+            # flight, or on this disk since. Sent again from 0, at once the first times, then
+            # only after the backoff (a copy that rotted here would refuse forever).
+            n = self._refused[(ds, path)] = self._refused.get((ds, path), 0) + 1
+            log.error("write-back of %s/%s: the hub refused its digest %d times (%s); sending "
+                      "it again", ds, path, n, body[:200])
+            if n >= 3:
+                raise SpokeError(f"{ds}/{path}: the hub refused its bytes {n} times: does the "
+                                 "spoke's copy still digest to its version?")
             return True
+        self._refused.pop((ds, path), None)
         if resp.status >= 400:
             raise_for_status(resp.status, body, f"PUT {path}", final=True)
         return True
@@ -321,6 +329,10 @@ class WriteBack:
         """A commit journalled here: each file whole at the hub, then the hub's commit; once
         the hub has published it, the local copies go."""
         ups = [u for u in (inc.upload(p) for p in paths) if u is not None]
+        if len(ups) != len(paths):  # its records were removed by hand: nothing to send
+            await asyncio.to_thread(self._failed, inc, journal, ups, "its uploads are gone "
+                                    "from the spoke")
+            return
         sent = journal.with_suffix(".sent")
         if sent.exists() and await self._landed(ds, ups):
             await asyncio.to_thread(self._published, ds, inc, journal, ups,
@@ -334,13 +346,24 @@ class WriteBack:
                                                    {"paths": [u.path for u in ups]})
         except Transient:
             raise  # lost or never sent: the marker makes the next round ask first
-        except (Conflict, NotFound, Forbidden, DigestMismatch) as exc:
+        except (Conflict, NotFound, Forbidden, DigestMismatch, BadRequest) as exc:
             if await self._landed(ds, ups):
                 doc = {"id": None, "recovered": True}
+            elif await self._committing(ds, ups):
+                # An earlier send of it is being committed there: asked again shortly.
+                await asyncio.sleep(1.0)
+                return
             else:
                 await asyncio.to_thread(self._failed, inc, journal, ups, str(exc))
                 return
         await asyncio.to_thread(self._published, ds, inc, journal, ups, doc)
+
+    async def _committing(self, ds: str, ups: list[Upload]) -> bool:
+        """True while the hub is committing any of ``ups``."""
+        doc = await self._client(ds).get_json(self._url(ds))
+        names = {u.path for u in ups}
+        return any(u.get("committing") and u.get("path") in names
+                   for u in doc.get("uploads", ()))
 
     async def _landed(self, ds: str, ups: list[Upload]) -> bool:
         """True when the hub's latest snapshot holds every upload at its version (a commit
