@@ -188,6 +188,9 @@ ENV_VARS: dict[str, str] = {
                      "holding it instead (docs/security.md)",
     "SPOKEFS_TOKEN_FILE": "a file whose first line is the client token (what `--token-file` "
                           "sets for the processes it starts)",
+    "SPOKEFS_STAGING": "where files opened for writing (`spokefs.open(..., \"wb\")`, "
+                       "`spokefs://` in `wb`) are staged until their upload on close; "
+                       "default: the temporary folder (docs/checkpoints.md)",
     "SPOKEFS_CA_BUNDLE": "certificate authorities (PEM) clients trust for https hubs and "
                          "spokes, else the system's (what `--ca-bundle` sets)",
     "SPOKEFS_LOG_FORMAT": "`plain` (default) or `json` log lines (what `--log-format` sets, "

@@ -13,6 +13,8 @@ from pathlib import Path
 import pytest
 
 from servers import free_port, hub, spoke
+from spokefs.checkpoint import wait_safe
+from spokefs.client.sync import Client
 from spokefs.client.uploads import Uploader, put_tree
 from spokefs.mount.process import MountProcess, fuse_unusable
 
@@ -21,7 +23,7 @@ WORKER = Path(__file__).with_name("dcp_worker.py")
 RANKS = 2
 
 
-def ranks(mode: str, path: Path) -> list[subprocess.CompletedProcess[str]]:
+def ranks(mode: str, path: Path | str) -> list[subprocess.CompletedProcess[str]]:
     """``mode`` run by every rank at once; their results, in rank order."""
     port = free_port()
     procs = [subprocess.Popen([sys.executable, str(WORKER), mode, str(path)],
@@ -57,3 +59,28 @@ def test_a_dcp_checkpoint_pushed_and_committed_loads_through_a_mount(tmp_path: P
             loaded = ranks("load", tmp_path / "mnt" / "run" / "step-1")
     for r in loaded:
         assert r.returncode == 0 and "differing []" in r.stdout, r.stdout
+
+
+def test_a_dcp_checkpoint_saved_to_a_spokefs_url_is_published_whole(tmp_path: Path) -> None:
+    """DCP's FsspecWriter on a ``spokefs://`` URL of a spoke: each rank's file is uploaded as
+    it is closed (durable at the spoke, which writes back to the hub), and rank 0's
+    ``.metadata`` (written as .metadata.tmp, then renamed) commits the folder: the hub
+    publishes every rank's file and the metadata at once. FsspecReader loads it back."""
+    pytest.importorskip("torch.distributed.checkpoint")
+    folder = tmp_path / "ckpt"
+    folder.mkdir()
+    with hub(folder, tmp_path / "hubstate", "--writable", "ckpt") as h, \
+            spoke(h.url, tmp_path / "cache", "256MiB") as s:
+        url = f"spokefs://{s.hostport}/ckpt/run/step-2"
+        for r in ranks("save-fsspec", url):
+            assert r.returncode == 0, r.stdout
+        assert wait_safe(f"{s.url}/ckpt/run/step-2", timeout=60)
+        m = Client(h.url, token=None).manifest("ckpt", "latest")
+        got = sorted(p for p in m.paths if p.startswith("run/step-2/"))
+        assert got == ["run/step-2/.metadata", "run/step-2/__0_0.distcp",
+                       "run/step-2/__1_0.distcp"], got
+        assert not Uploader(h.url, "ckpt", token=None).listing()  # the .tmp was discarded
+        # By snapshot: a spoke's worker trusts the "latest" it knew for --latest-ttl.
+        snap = Client(h.url, token=None).resolve("ckpt", "latest")
+        for r in ranks("load-fsspec", f"spokefs://{s.hostport}/ckpt@{snap}/run/step-2"):
+            assert r.returncode == 0 and "differing []" in r.stdout, r.stdout

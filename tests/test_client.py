@@ -80,8 +80,10 @@ def test_open_errors(spoke_server) -> None:
         spokefs.open(f"{spoke_server.url}/ds/no/such/file")
     with pytest.raises(IsADirectoryError):
         spokefs.open(f"{spoke_server.url}/ds/class1")
-    with pytest.raises(ValueError, match="read-only"):
+    with pytest.raises(spokefs.Forbidden, match="read-only"):  # at open, not at close
         spokefs.open(f"{spoke_server.url}/ds/class1/img0001.jpg", "wb")
+    with pytest.raises(ValueError, match="not supported"):
+        spokefs.open(f"{spoke_server.url}/ds/class1/img0001.jpg", "ab")
     with pytest.raises(spokefs.ConfigError):
         spokefs.open("ftp://x/y")
 

@@ -18,6 +18,7 @@ from servers import ServerProcess, free_port, hub, spoke
 from spokefs.client.sync import Client
 from spokefs.client.uploads import Uploader
 from spokefs.errors import Forbidden, NoSpace
+from spokefs.wire.headers import H_SIZE, H_VERSION
 
 BLOCK = 64 * 1024
 WRITER = "writer-" + "w" * 32      # write:ckpt,ro at the spoke (ro: read-only at the hub)
@@ -186,7 +187,41 @@ def test_a_read_only_dataset_takes_no_writes_at_the_spoke(site: Site, tmp_path) 
     f = tmp_path / "x"
     f.write_bytes(b"x")
     assert site.spoke is not None
-    with pytest.raises(Forbidden, match="read-only at its hub"):
+    with pytest.raises(Forbidden, match="read-only"):  # the writer asks first
         Uploader(site.spoke.url, "ro", token=WRITER).put("x", f)
+    r = urllib3.request("PUT", f"{site.spoke.url}/v1/datasets/ro/uploads/x", body=b"x",
+                        headers={"Authorization": f"Bearer {WRITER}", H_SIZE: "1",
+                                 H_VERSION: "0" * 32})
+    assert r.status == 403 and b"read-only at its hub" in r.data, r.data  # and the spoke
     with pytest.raises(Forbidden):  # a reader's token may not write
         Uploader(site.spoke.url, "ckpt", token=READER).put("x", f)
+
+
+def test_spokefs_open_wb_writes_through_the_spoke(site: Site, tmp_path, monkeypatch) -> None:
+    """``spokefs.open(URL, "wb")``: staged locally, uploaded on close, published as a commit
+    of its own; an upload refused at close raises there and keeps the staged bytes."""
+    import spokefs
+
+    assert site.spoke is not None
+    monkeypatch.setenv("SPOKEFS_TOKEN", WRITER)
+    monkeypatch.setenv("SPOKEFS_STAGING", str(tmp_path))
+    data = os.urandom(BLOCK * 3 + 1)
+    with spokefs.open(f"{site.spoke.url}/ckpt/notes/model.pt", "wb") as f:
+        f.write(data[:100])
+        f.write(data[100:])
+    assert site.writer().wait_safe("notes/", timeout=60)
+    assert (site.ckpt / "notes" / "model.pt").read_bytes() == data
+    with spokefs.open(f"{site.spoke.url}/ckpt/notes/log.txt", "w") as t:
+        t.write("step 1\n")
+    assert site.writer().wait_safe("notes/", timeout=60)
+    assert (site.ckpt / "notes" / "log.txt").read_text() == "step 1\n"
+    assert not list(tmp_path.glob("spokefs-*.part"))  # nothing staged is left behind
+    with pytest.raises(Forbidden, match="read-only"):  # at open: nothing to lose yet
+        spokefs.open(f"{site.spoke.url}/ro/x.pt", "wb")
+    monkeypatch.setenv("SPOKEFS_TOKEN", READER)  # may read the dataset, not write it
+    g = spokefs.open(f"{site.spoke.url}/ckpt/x.pt", "wb", buffering=0)
+    g.write(b"kept")
+    with pytest.raises(Forbidden) as caught:
+        g.close()
+    [staged] = tmp_path.glob("spokefs-*.part")
+    assert staged.read_bytes() == b"kept" and str(staged) in "".join(caught.value.__notes__)

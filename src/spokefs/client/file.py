@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import io
+from pathlib import Path
 
 from spokefs.client.sync import Client
 from spokefs.client.urls import parse_url
@@ -60,13 +61,22 @@ class RemoteFile(io.RawIOBase):
 
 def open(url: str, mode: str = "rb", buffering: int = 1024 * 1024,
          deadline: float = 30.0) -> io.BufferedReader | RemoteFile:
-    """Open ``http://host:port/<dataset>[@<snapshot>]/<path>`` for reading.
+    """Open ``http://host:port/<dataset>[@<snapshot>]/<path>`` for reading, or (``"wb"``,
+    ``"w"``) for writing into a writable dataset.
 
-    The snapshot is resolved once (``latest`` by default) and the file stays pinned to the
-    version it had there. ``buffering=0`` returns the raw file.
+    Reading: the snapshot is resolved once (``latest`` by default) and the file stays pinned
+    to the version it had there. ``buffering=0`` returns the raw file.
+
+    Writing (``spokefs.client.writer``): the bytes are staged locally; ``close()`` uploads
+    the file to the spoke (or hub) named, and returns once it holds it durably, then
+    publishes it as a commit of its own. A spoke uploads it to the hub behind
+    (``spokefs.checkpoint.wait_safe``). To publish several files together, use
+    ``Uploader`` or the ``spokefs://`` filesystem's commit marker (docs/checkpoints.md).
     """
+    if mode in ("wb", "w"):
+        return _open_write(url, mode, buffering, deadline)  # type: ignore[return-value]
     if mode not in ("rb", "r"):
-        raise ValueError(f"spokefs files are read-only; mode {mode!r} is not supported")
+        raise ValueError(f"mode {mode!r} is not supported: rb or r to read, wb or w to write")
     u = parse_url(url)
     if not u.path:
         raise NotFound(f"{url} names a dataset, not a file")
@@ -81,3 +91,25 @@ def open(url: str, mode: str = "rb", buffering: int = 1024 * 1024,
     if mode == "r":
         return io.TextIOWrapper(f)  # type: ignore[return-value]
     return f
+
+
+def _open_write(url: str, mode: str, buffering: int, deadline: float) -> io.IOBase:
+    from spokefs.client.uploads import Uploader
+    from spokefs.client.writer import UploadFile
+
+    u = parse_url(url)
+    if u.snapshot != "latest":
+        raise ValueError(f"{url}: a write goes to the dataset, not to a snapshot "
+                         f"(@{u.snapshot})")
+    if not u.path:
+        raise NotFound(f"{url} names a dataset, not a file")
+    up = Uploader(u.base, u.dataset, deadline=deadline)
+    up.check_writable()  # a read-only dataset fails here, not at close
+
+    def publish(path: str, staged: Path) -> None:
+        staged.unlink(missing_ok=True)
+        up.commit(paths=[path])
+
+    raw = UploadFile(up, u.path, publish)
+    f: io.IOBase = raw if buffering == 0 else io.BufferedWriter(raw, buffer_size=buffering)
+    return io.TextIOWrapper(f) if mode == "w" else f  # type: ignore[arg-type]

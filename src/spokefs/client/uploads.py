@@ -26,7 +26,14 @@ from urllib.parse import quote
 
 from spokefs import integrity
 from spokefs.client.sync import Client
-from spokefs.errors import Conflict, DigestMismatch, NotFound, Transient, UpstreamUnavailable
+from spokefs.errors import (
+    Conflict,
+    DigestMismatch,
+    Forbidden,
+    NotFound,
+    Transient,
+    UpstreamUnavailable,
+)
 from spokefs.retry import UPSTREAM
 from spokefs.wire.auth import FROM_ENV
 from spokefs.wire.headers import H_OFFSET, H_SIZE, H_VERSION
@@ -60,9 +67,19 @@ class Uploader:
     @property
     def block_size(self) -> int:
         if self._block_size is None:
-            doc = self.client.get_json(f"/v1/datasets/{quote(self.dataset)}")
-            self._block_size = int(doc["block_size"])
+            self.check_writable()
+        assert self._block_size is not None
         return self._block_size
+
+    def check_writable(self) -> None:
+        """Forbidden unless the server says the dataset takes writes (asked once)."""
+        if self._block_size is not None:
+            return
+        doc = self.client.get_json(f"/v1/datasets/{quote(self.dataset)}")
+        if doc.get("writable") is not True:
+            raise Forbidden(f"dataset {self.dataset!r} is read-only: a writable dataset is "
+                            "declared so at its hub (docs/checkpoints.md)")
+        self._block_size = int(doc["block_size"])
 
     def _url(self, path: str) -> str:
         return f"/v1/datasets/{quote(self.dataset)}/uploads/{quote(path)}"

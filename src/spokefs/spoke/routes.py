@@ -425,8 +425,7 @@ class WriteRoutes:
     async def discard_upload(self, request: web.Request) -> web.Response:
         ds = check_dataset_name(request.match_info["ds"])
         path = check_upload_path(request.match_info["path"])
-        inc = await self.wb.incoming(ds)
-        await asyncio.to_thread(inc.discard, path)
+        await self.wb.discard(ds, path)
         return web.json_response({"dataset": ds, "path": path, "discarded": True})
 
     async def commit(self, request: web.Request) -> web.Response:

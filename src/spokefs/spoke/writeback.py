@@ -81,6 +81,9 @@ class WriteBack:
         self.sent_bytes = 0          # bytes uploaded to the hub by this process
         self.last_error: str | None = None
         self._refused: dict[tuple[str, str], int] = {}  # 422s from the hub, per upload
+        # Uploads discarded here whose copy at the hub goes next (in memory: after a restart,
+        # the hub drops what no commit takes after ABANDONED_AFTER).
+        self._discards: set[tuple[str, str]] = set()
 
     # -- what is held ------------------------------------------------------------------------
     async def incoming(self, ds: str) -> Incoming:
@@ -176,6 +179,14 @@ class WriteBack:
             self._wake.set()
         return done
 
+    async def discard(self, ds: str, path: str) -> None:
+        """Drop an upload here, and next its copy at the hub (sent there already, or being
+        sent: the hub's is removed after)."""
+        inc = await self.incoming(ds)
+        await asyncio.to_thread(inc.discard, path)
+        self._discards.add((ds, path))
+        self._wake.set()
+
     async def commit(self, ds: str, paths: list[str] | None, prefix: str | None
                      ) -> dict[str, Any]:
         """The commit journalled here (durably); the hub gets it once its files are whole
@@ -259,6 +270,19 @@ class WriteBack:
     async def pass_once(self) -> bool:
         """One round of work: True if it did something (look again at once)."""
         did = False
+        for ds, path in sorted(self._discards):
+            inc = self._incoming.get(ds)
+            if inc is None or await asyncio.to_thread(inc.upload, path) is None:
+                # Not written again here since: the hub's copy goes.
+                status, _, body = await self._client(ds).forward(
+                    "DELETE", self._url(ds, path), {}, b"")
+                if status == 409:
+                    continue  # being received there (a send in flight): after it
+                if status >= 400 and status != 404:
+                    log.warning("write-back: the hub kept its copy of %s/%s discarded here "
+                                "(%d %s); it drops it after a week", ds, path, status,
+                                body[:200])
+            self._discards.discard((ds, path))
         for ds, inc in self._known().items():
             for journal, paths in await asyncio.to_thread(self._journals, inc):
                 await self._finish(ds, inc, journal, paths)

@@ -1,0 +1,64 @@
+"""Files opened for writing on a spokefs URL: ``spokefs.open(URL, "wb")`` and
+``fsspec.open("spokefs://...", "wb")`` (so DCP's ``FsspecWriter`` saves to a spokefs URL).
+
+The bytes go to a local staging file as they are written (``SPOKEFS_STAGING``, else the
+system's temporary folder); ``close()`` uploads the file (``Uploader.put``: digested,
+resumable) and returns once the endpoint holds it durably: a spoke's disk (write-back: the
+hub gets it behind) or the hub's. A file is published when a commit names it: at once for
+``spokefs.open(..., "wb")`` (``commit=True``), or, for the fsspec filesystem, when its
+folder's commit marker is written (``.metadata``, the one DCP writes last), so a reader
+never sees half a checkpoint.
+"""
+
+from __future__ import annotations
+
+import io
+import os
+import tempfile
+from collections.abc import Callable
+from pathlib import Path
+
+from spokefs.client.uploads import Uploader
+
+
+def staging_dir() -> str:
+    return os.environ.get("SPOKEFS_STAGING") or tempfile.gettempdir()
+
+
+class UploadFile(io.FileIO):
+    """A local staging file, uploaded as ``path`` of ``uploader``'s dataset when closed;
+    ``closed_with(path, staged)`` is then told where the staged bytes are (it owns them:
+    keep them or unlink them). An upload that fails raises from ``close()``, and the staged
+    bytes stay, named in the error, so nothing written is lost."""
+
+    def __init__(self, uploader: Uploader, path: str,
+                 closed_with: Callable[[str, Path], None] | None = None) -> None:
+        fd, name = tempfile.mkstemp(prefix="spokefs-", suffix=".part", dir=staging_dir())
+        os.close(fd)
+        super().__init__(name, "w+b")
+        self.uploader = uploader
+        self.path = path
+        self.staged = Path(name)
+        self._closed_with = closed_with
+        self._uploaded = False
+
+    def close(self) -> None:
+        if self.closed:
+            return
+        super().close()
+        if self._uploaded:
+            return
+        try:
+            self.uploader.put(self.path, self.staged)
+        except BaseException as exc:
+            exc.add_note(f"spokefs: the bytes written to {self.path!r} are kept at "
+                         f"{self.staged}")
+            raise
+        self._uploaded = True
+        if self._closed_with is not None:
+            self._closed_with(self.path, self.staged)
+        else:
+            self.staged.unlink(missing_ok=True)
+
+    def __repr__(self) -> str:
+        return f"<spokefs upload {self.path!r} of {self.uploader.dataset!r}>"
