@@ -24,6 +24,7 @@ BENCH_MODULES = [
     "spokefs_bench.native",
     "spokefs_bench.node",
     "spokefs_bench.contention",
+    "spokefs_bench.checkpoint",
 ]
 
 
