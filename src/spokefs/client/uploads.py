@@ -224,7 +224,7 @@ class Uploader:
             if time.monotonic() >= end:
                 return False
             time.sleep(min(poll, max(0.0, end - time.monotonic())))
-            poll = min(poll * 1.5, 2.0)
+            poll = min(poll * 1.5, 0.5)
 
     def _named(self, ups: list[dict[str, Any]], paths: list[str] | None,
                prefix: str | None) -> list[dict[str, Any]]:

@@ -21,8 +21,9 @@ published, newest last) and ``COMMIT.sent`` markers (a commit was sent: on a res
 hub is asked whether it landed before anything is sent again). The hub is the truth for
 what it holds: after a restart, each upload resumes from the bytes the hub reports.
 
-One upload at a time goes to the hub, oldest commit first, so reads (the spoke's fetches)
-keep most of the link; pacing against reads is not measured yet (docs/checkpoints.md).
+``SENDS_AT_ONCE`` uploads go to the hub at once (one TCP stream seldom fills a long link),
+oldest commit first; pacing them against the spoke's reads is not built yet
+(docs/checkpoints.md).
 """
 
 from __future__ import annotations
@@ -64,6 +65,7 @@ PIECE = 1 << 20          # bytes read from a part per piece of an upload's body
 DONE_KEPT = 100          # commits published, listed in a dataset's ``done``
 IDLE = 2.0               # seconds between looks for work when none was signalled
 BACKOFF_MOST = 30.0      # seconds between tries while the hub is unreachable
+SENDS_AT_ONCE = 4        # uploads to the hub in flight at once
 WRITE_TIMEOUT = 900.0    # seconds an upload's answer may take: the hub reads the file back
 
 
@@ -84,6 +86,8 @@ class WriteBack:
         # Uploads discarded here whose copy at the hub goes next (in memory: after a restart,
         # the hub drops what no commit takes after ABANDONED_AFTER).
         self._discards: set[tuple[str, str]] = set()
+        # (dataset, path, version) the hub holds whole (it said so): not asked again.
+        self._at_hub: set[tuple[str, str, str]] = set()
 
     # -- what is held ------------------------------------------------------------------------
     async def incoming(self, ds: str) -> Incoming:
@@ -284,12 +288,16 @@ class WriteBack:
                                 body[:200])
             self._discards.discard((ds, path))
         for ds, inc in self._known().items():
-            for journal, paths in await asyncio.to_thread(self._journals, inc):
+            journals = await asyncio.to_thread(self._journals, inc)
+            # Every whole upload to the hub, a few at once (one TCP stream seldom fills a
+            # long link), the oldest commit's first; then the commits whose files all are.
+            first = [p for _, paths in journals for p in paths]
+            rest = [u["path"] for u in await asyncio.to_thread(inc.listing)
+                    if u["whole"] and u["path"] not in set(first)]
+            did = await self._send_all(ds, inc, [*dict.fromkeys(first), *rest]) or did
+            for journal, paths in journals:
                 await self._finish(ds, inc, journal, paths)
                 did = True
-            for u in await asyncio.to_thread(inc.listing):
-                if u["whole"] and not u["committing"]:
-                    did = await self._send(ds, inc, u["path"]) or did
         return did
 
     def _client(self, ds: str) -> UpstreamClient:
@@ -308,16 +316,32 @@ class WriteBack:
         except NotFound:
             return None
 
+    async def _send_all(self, ds: str, inc: Incoming, paths: list[str]) -> bool:
+        """``paths`` sent, ``SENDS_AT_ONCE`` at a time; True if bytes were sent. The first
+        failure is raised once the others have ended."""
+        room = asyncio.Semaphore(SENDS_AT_ONCE)
+
+        async def one(path: str) -> bool:
+            async with room:
+                return await self._send(ds, inc, path)
+
+        got = await asyncio.gather(*(one(p) for p in paths), return_exceptions=True)
+        for r in got:
+            if isinstance(r, BaseException):
+                raise r
+        return any(got)
+
     async def _send(self, ds: str, inc: Incoming, path: str) -> bool:
         """``path``'s upload whole at the hub (from the bytes the hub holds); True if bytes
         were sent."""
-        up = inc.upload(path)
-        if up is None or not up.whole:
+        up = await asyncio.to_thread(inc.upload, path)
+        if up is None or not up.whole or (ds, path, up.version) in self._at_hub:
             return False
         held = await self._hub_state(ds, path)
         offset = 0
         if held is not None and (held["size"], held["version"]) == (up.size, up.version):
             if held["whole"]:
+                self._at_hub.add((ds, path, up.version))
                 return False
             offset = int(held["received"])
         part = inc.dir / f"{_key(path)}.part"
@@ -347,6 +371,8 @@ class WriteBack:
         self._refused.pop((ds, path), None)
         if resp.status >= 400:
             raise_for_status(resp.status, body, f"PUT {path}", final=True)
+        if resp.status == 201:  # whole and checked there
+            self._at_hub.add((ds, path, up.version))
         return True
 
     async def _finish(self, ds: str, inc: Incoming, journal: Path, paths: list[str]) -> None:
@@ -362,8 +388,7 @@ class WriteBack:
             await asyncio.to_thread(self._published, ds, inc, journal, ups,
                                     {"id": None, "recovered": True})
             return
-        for up in ups:
-            await self._send(ds, inc, up.path)
+        await self._send_all(ds, inc, [u.path for u in ups])  # known whole there: no request
         await asyncio.to_thread(write_durably, sent, b"")
         try:
             doc = await self._client(ds).post_json(f"/v1/datasets/{quote(ds)}/commit",
@@ -371,6 +396,10 @@ class WriteBack:
         except Transient:
             raise  # lost or never sent: the marker makes the next round ask first
         except (Conflict, NotFound, Forbidden, DigestMismatch, BadRequest) as exc:
+            if isinstance(exc, NotFound) and not await self._landed(ds, ups):
+                # An upload the hub no longer holds (dropped there): sent again next round.
+                self._at_hub.difference_update((ds, u.path, u.version) for u in ups)
+                return
             if await self._landed(ds, ups):
                 doc = {"id": None, "recovered": True}
             elif await self._committing(ds, ups):
@@ -410,6 +439,7 @@ class WriteBack:
             f.flush()
             os.fsync(f.fileno())
         inc.retire([(journal, ups)])
+        self._at_hub.difference_update((ds, u.path, u.version) for u in ups)
         journal.with_suffix(".sent").unlink(missing_ok=True)
         self.metadata.forget(ds)  # the primary's reads see the new snapshot at once
         log.info("write-back: commit %s of %s published at the hub (%d files)", journal.stem,
