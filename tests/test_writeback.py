@@ -147,6 +147,12 @@ def test_the_hub_down_and_the_spoke_killed_lose_nothing(site: Site, tmp_path) ->
     site.spoke.kill()
     site.start_spoke()
     assert site.writer().writeback()["commits"], "the commit did not survive the kill"
+    # What the spoke answered for stays guarded after its restart: no rewrite, no discard.
+    first = next(iter(files))
+    r = urllib3.request("PUT", f"{site.spoke.url}/v1/datasets/ckpt/uploads/{first}",
+                        body=b"x", headers={"Authorization": f"Bearer {WRITER}", H_SIZE: "1",
+                                            H_VERSION: "0" * 32})
+    assert r.status == 409 and b"being committed" in r.data, r.data
     site.start_hub()
     env = {**os.environ, "SPOKEFS_TOKEN": WRITER}
     r = subprocess.run([sys.executable, "-m", "spokefs.cli", "ckpt", "wait",
@@ -209,8 +215,14 @@ def test_spokefs_open_wb_writes_through_the_spoke(site: Site, tmp_path, monkeypa
     with spokefs.open(f"{site.spoke.url}/ckpt/notes/model.pt", "wb") as f:
         f.write(data[:100])
         f.write(data[100:])
-    assert site.writer().wait_safe("notes/", timeout=60)
+    assert site.writer().wait_safe("notes/model.pt", timeout=60)  # a file, or a folder
     assert (site.ckpt / "notes" / "model.pt").read_bytes() == data
+    # A writer that fails inside its with-block sends nothing: half a file is not the file.
+    with pytest.raises(RuntimeError), \
+            spokefs.open(f"{site.spoke.url}/ckpt/notes/half.pt", "wb") as f:
+        f.write(b"half")
+        raise RuntimeError("the writer failed")
+    assert "notes/half.pt" not in {u["path"] for u in site.writer().listing()}
     with spokefs.open(f"{site.spoke.url}/ckpt/notes/log.txt", "w") as t:
         t.write("step 1\n")
     assert site.writer().wait_safe("notes/", timeout=60)

@@ -30,9 +30,11 @@ import contextlib
 import hashlib
 import multiprocessing
 import os
+import queue
 import random
 import shutil
 import tempfile
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -91,7 +93,10 @@ def _work(given: Path | None) -> Iterator[Path]:
 
 # -- the writers -----------------------------------------------------------------------------
 def _shard(rank: int, size: int) -> bytes:
-    return random.Random(1000 + rank).randbytes(size)
+    """Rank ``rank``'s bytes (the same each run), made in pieces: ``randbytes`` takes at
+    most 2**31 bits at once."""
+    rng, piece = random.Random(1000 + rank), 64 << 20
+    return b"".join(rng.randbytes(min(piece, size - at)) for at in range(0, size, piece))
 
 
 def _writer(rank: int, size: int, target: str, staging: str, barrier: Any, out: Any) -> None:
@@ -133,9 +138,22 @@ def _save(target: str, writers: int, size: int, staging: Path) -> dict[str, Any]
              for r in range(writers)]
     for p in procs:
         p.start()
-    barrier.wait()
-    t0 = time.monotonic()
-    done = [out.get(timeout=3600) for _ in procs]
+    try:
+        barrier.wait(timeout=600)  # every shard made
+        t0 = time.monotonic()
+        done = []
+        while len(done) < writers:
+            try:
+                done.append(out.get(timeout=5))
+            except queue.Empty:
+                if any(p.exitcode not in (None, 0) for p in procs):
+                    raise
+    except (threading.BrokenBarrierError, queue.Empty):
+        for p in procs:
+            p.kill()
+        codes = [p.exitcode for p in procs]
+        raise SystemExit(f"a writer failed before its shard was written (exit codes "
+                         f"{codes}; its traceback is above)") from None
     for p in procs:
         p.join()
         if p.exitcode != 0:

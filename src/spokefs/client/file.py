@@ -95,7 +95,7 @@ def open(url: str, mode: str = "rb", buffering: int = 1024 * 1024,
 
 def _open_write(url: str, mode: str, buffering: int, deadline: float) -> io.IOBase:
     from spokefs.client.uploads import Uploader
-    from spokefs.client.writer import UploadFile
+    from spokefs.client.writer import BufferedUpload, TextUpload, UploadFile
 
     u = parse_url(url)
     if u.snapshot != "latest":
@@ -111,5 +111,6 @@ def _open_write(url: str, mode: str, buffering: int, deadline: float) -> io.IOBa
         up.commit(paths=[path])
 
     raw = UploadFile(up, u.path, publish)
-    f: io.IOBase = raw if buffering == 0 else io.BufferedWriter(raw, buffer_size=buffering)
-    return io.TextIOWrapper(f) if mode == "w" else f  # type: ignore[arg-type]
+    if mode == "w":
+        return TextUpload(BufferedUpload(raw, buffer_size=max(buffering, 1)))
+    return raw if buffering == 0 else BufferedUpload(raw, buffer_size=buffering)

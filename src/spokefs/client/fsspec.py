@@ -150,6 +150,9 @@ class SpokeFileSystem(AbstractFileSystem):
         from spokefs.client.writer import UploadFile
 
         up, u = self._writing(path)
+        if self.commit_marker and u.path == self.commit_marker:
+            raise PermissionError(f"{path}: a commit marker at the dataset's root would commit "
+                                  "every upload in it; write the checkpoint into a folder")
 
         def closed(name: str, staged: Path) -> None:
             self._kept(u, name, staged)
@@ -170,7 +173,10 @@ class SpokeFileSystem(AbstractFileSystem):
     def _commit(self, up: Uploader, u: DatasetURL, marker: str) -> None:
         """Every upload under the marker's folder, published together."""
         folder = posixpath.dirname(marker)
-        up.commit(prefix=f"{folder}/" if folder else "")
+        up.commit(prefix=f"{folder}/")
+        # Reads of "latest" through this filesystem see the new snapshot from now on.
+        for key in [k for k in self._manifests if k[:2] == (u.base, u.dataset)]:
+            del self._manifests[key]
         for key in [k for k in self._written
                     if k[:2] == (u.base, u.dataset) and k[2].startswith(f"{folder}/")]:
             staged = self._written.pop(key)

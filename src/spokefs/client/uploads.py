@@ -213,13 +213,19 @@ class Uploader:
         published at the hub); False when ``timeout`` passed first. Conflict when the hub
         refused one (its reason). At a hub, what is committed is safe: True at once."""
         end = time.monotonic() + timeout
+        file = prefix.rstrip("/")
+
+        def under(p: str) -> bool:  # ``prefix`` names a folder, or one file
+            return p == file or p.startswith(f"{file}/") or not file
+
         while True:
             doc = self.writeback()
+            done = {p for c in doc.get("done", ()) for p in c.get("paths", ())}
             for c in doc.get("failed", ()):
-                if any(p.startswith(prefix) for p in c["paths"]):
+                # A refusal counts unless every path of it was published since.
+                if any(under(p) for p in c["paths"]) and not set(c["paths"]) <= done:
                     raise Conflict(f"commit {c['commit']} was refused by the hub: {c['error']}")
-            if not any(any(p.startswith(prefix) for p in c["paths"])
-                       for c in doc.get("commits", ())):
+            if not any(any(under(p) for p in c["paths"]) for c in doc.get("commits", ())):
                 return True
             if time.monotonic() >= end:
                 return False
@@ -235,13 +241,24 @@ class Uploader:
         """After a commit whose answer was lost: True when none of its uploads is left
         (published: a commit is all or nothing), None while the hub is still committing
         them, False when they are all still held (it never arrived, or failed: resend)."""
-        named = self._named(self.listing(), paths, prefix)
+        doc = self.writeback()
+        named = self._named(doc["uploads"], paths, prefix)
+        mine = {u["path"] for u in named}
+        if mine and any(mine <= set(c["paths"]) for c in doc.get("commits", ())):
+            return True  # a spoke journalled it: the 202 was lost, the commit is durable
         if any(u.get("committing") for u in named):
             return None
         return not named
 
     def _committed(self, paths: list[str] | None, prefix: str | None) -> dict[str, Any]:
-        """The answer a commit that landed would have given, from the latest snapshot."""
+        """The answer a commit that landed would have given, from the latest snapshot (at
+        a spoke that journalled it: its journal)."""
+        doc = self.writeback()
+        for c in doc.get("commits", ()):
+            named = {u["path"] for u in self._named(doc["uploads"], paths, prefix)}
+            if named and named <= set(c["paths"]):
+                return {"dataset": self.dataset, "commit": c["commit"],
+                        "committed": sorted(named), "safe": False, "recovered": True}
         latest = self.client.get_json(f"/v1/datasets/{quote(self.dataset)}/snapshots/latest")
         m = self.client.manifest(self.dataset, str(latest["id"]))
         have = set(m.paths)

@@ -42,6 +42,23 @@ class UploadFile(io.FileIO):
         self._closed_with = closed_with
         self._uploaded = False
 
+    def __exit__(self, kind: object, exc: object, tb: object) -> None:
+        if exc is None:
+            self.close()
+        else:  # the writer failed: what it wrote is not the file it meant; nothing is sent
+            self.abandon()
+
+    def __del__(self) -> None:
+        # Never uploaded from the garbage collector: a file nobody closed was not finished.
+        if not self.closed:
+            self.abandon()
+
+    def abandon(self) -> None:
+        """Closed without uploading; the staged bytes go."""
+        self._uploaded = True
+        super().close()
+        self.staged.unlink(missing_ok=True)
+
     def close(self) -> None:
         if self.closed:
             return
@@ -62,3 +79,39 @@ class UploadFile(io.FileIO):
 
     def __repr__(self) -> str:
         return f"<spokefs upload {self.path!r} of {self.uploader.dataset!r}>"
+
+
+class BufferedUpload(io.BufferedWriter):
+    """``UploadFile`` buffered; a with-block that fails sends nothing."""
+
+    def __del__(self) -> None:  # never uploaded from the garbage collector
+        if not self.closed:
+            raw = self.raw
+            assert isinstance(raw, UploadFile)
+            raw.abandon()
+
+    def __exit__(self, kind: object, exc: object, tb: object) -> None:
+        if exc is None:
+            self.close()
+        else:
+            raw = self.raw
+            assert isinstance(raw, UploadFile)
+            raw.abandon()
+
+
+class TextUpload(io.TextIOWrapper):
+    """``UploadFile`` as text; a with-block that fails sends nothing."""
+
+    def __del__(self) -> None:  # never uploaded from the garbage collector
+        if not self.closed:
+            raw = self.buffer.raw  # type: ignore[attr-defined]
+            assert isinstance(raw, UploadFile)
+            raw.abandon()
+
+    def __exit__(self, kind: object, exc: object, tb: object) -> None:
+        if exc is None:
+            self.close()
+        else:
+            raw = self.buffer.raw  # type: ignore[attr-defined]
+            assert isinstance(raw, UploadFile)
+            raw.abandon()

@@ -228,11 +228,13 @@ class Incoming:
             raise BadRequest(f"an upload's size must be 0..{MAX_FILE} bytes, not {size}")
         if path in self._busy:
             raise Conflict(f"an upload of {path!r} is already being received")
-        if path in self._committing:
-            raise Conflict(f"{path!r} is being committed; write another path, or this one "
-                           "again once the commit answered")
+        # Marked busy, then asked about commits; ``prepare`` marks, then asks about
+        # receives (another thread): one of the two sees the other.
         self._busy.add(path)
         try:
+            if path in self._committing:
+                raise Conflict(f"{path!r} is being committed; write another path, or this "
+                               "one again once the commit answered")
             return await self._receive(path, size, version, offset, body, wrote)
         finally:
             self._busy.discard(path)
@@ -367,30 +369,48 @@ class Incoming:
         if len(chosen) > COMMIT_MOST:
             raise BadRequest(f"a commit publishes at most {COMMIT_MOST} files")
         self._own_dir()
-        for u in chosen:
-            if u.path in self._committing:
-                raise Conflict(f"{u.path!r} is being committed already")
-            if u.path in self._busy:
-                raise Conflict(f"{u.path!r} is being received; commit it once it is whole")
-            if not u.whole:
-                raise Conflict(f"{u.path!r} is not received whole yet "
-                               f"({self._received(_key(u.path))} of {u.size} bytes)")
-            self._check_free(u)
         names = {u.path for u in chosen}
-        for u in chosen:  # "a" and "a/b" cannot both be files
-            parts = u.path.split("/")
-            for i in range(1, len(parts)):
-                if "/".join(parts[:i]) in names:
-                    raise Conflict(f"{'/'.join(parts[:i])!r} would be a file and a folder")
-        journal = self.journals / f"{time.time_ns()}-{os.getpid()}.json"
-        self._committing.update(names)  # before the journal: no receive slips in between
+        taken = names & self._committing
+        if taken:
+            raise Conflict(f"{sorted(taken)[0]!r} is being committed already")
+        # Marked first, then asked about receives (``receive`` does the reverse): no receive
+        # starts on a path from here on, and one under way is seen.
+        self._committing.update(names)
         try:
+            for u in chosen:
+                if u.path in self._busy:
+                    raise Conflict(f"{u.path!r} is being received; commit it once it is whole")
+                # Read again: a receive that ended meanwhile may have replaced it.
+                now = self.upload(u.path)
+                if now is None or now.identity != u.identity or not now.whole:
+                    raise Conflict(f"{u.path!r} is not received whole yet "
+                                   f"({self._received(_key(u.path))} of {u.size} bytes)")
+                self._check_free(u)
+            for u in chosen:  # "a" and "a/b" cannot both be files
+                parts = u.path.split("/")
+                for i in range(1, len(parts)):
+                    if "/".join(parts[:i]) in names:
+                        raise Conflict(f"{'/'.join(parts[:i])!r} would be a file and a folder")
+            journal = self.journals / f"{time.time_ns()}-{os.getpid()}.json"
             write_durably(journal, json.dumps({"uploads": [u.to_json() for u in chosen]})
                           .encode())
         except BaseException:
             self._committing.difference_update(names)
             raise
         return journal, [u.path for u in chosen]
+
+    def pending(self) -> list[tuple[Path, list[Upload]]]:
+        """The commits journalled and not yet finished, oldest first, their paths marked as
+        being committed (after a restart too); a journal not readable now is left out."""
+        out = []
+        for journal in sorted(self.journals.glob("*.json")) if self.journals.is_dir() else []:
+            try:
+                ups = [Upload.from_json(u) for u in json.loads(journal.read_bytes())["uploads"]]
+            except (OSError, ValueError, KeyError, TypeError, IndexError):
+                continue
+            self._committing.update(u.path for u in ups)
+            out.append((journal, ups))
+        return out
 
     def _check_free(self, up: Upload) -> None:
         """Conflict unless ``up``'s path is free in the folder (or holds ``up``'s own part:
@@ -484,15 +504,28 @@ class Incoming:
         except BaseException:
             self._unplace(linked)
             raise
-        # All are in place: the parts go now, not after the scan: dropping a link changes
-        # the file's ctime, and the row must hold the identity the file keeps.
+        # All are in place, so the commit is done: the parts go now, not after the scan
+        # (dropping a link changes the file's ctime, and the row must hold the identity the
+        # file keeps). A part that cannot go is logged and its file left for the walk to
+        # hash; nothing is undone.
+        stuck = set()
         for up in todo:
-            os.unlink(self.dir / f"{_key(up.path)}.part")
+            try:
+                os.unlink(self.dir / f"{_key(up.path)}.part")
+            except FileNotFoundError:
+                pass
+            except OSError as exc:
+                log.error("%r is placed, but its upload's part cannot be removed: %s",
+                          up.path, exc)
+                stuck.add(up.path)
         if todo:
-            _fsync_dir_path(self.dir)
+            try:
+                _fsync_dir_path(self.dir)
+            except OSError as exc:
+                log.error("cannot flush %s: %s", self.dir, exc)
         rows = []
         for up in ups:
-            row = self._placed_before(up)
+            row = None if up.path in stuck else self._placed_before(up)
             if row is not None:
                 rows.append(row)
         return rows

@@ -43,6 +43,7 @@ from spokefs.integrity import DEFAULT_BLOCK_SIZE, blocks_in_range
 from spokefs.manifest import Manifest
 from spokefs.policy import BlockKey
 from spokefs.retry import NEAR, retrying
+from spokefs.spoke.writeback import WRITE_TIMEOUT
 from spokefs.tasks import Tasks
 from spokefs.wire.backend import (
     BlockPart,
@@ -101,6 +102,9 @@ class ReplicaBackend:
         self.primary = UpstreamClient("http://spoke-primary", max_connections=32, token=None,
                                       request_timeout=deadline + 10.0,
                                       unix_socket=str(primary_socket), answers_final=True)
+        self.writes = UpstreamClient("http://spoke-primary", max_connections=8, token=None,
+                                     request_timeout=WRITE_TIMEOUT,
+                                     unix_socket=str(primary_socket), answers_final=True)
         self.tasks = Tasks()
         self.cache: SharedCache | None = None
         self._unshared = False  # the cache folder is not readable here: all reads proxied
@@ -127,6 +131,7 @@ class ReplicaBackend:
         await self._report()
         await self.tasks.close()
         await self.primary.close()
+        await self.writes.close()
         self._checker.shutdown(wait=True)
         if self.cache is not None:
             self.cache.close()
@@ -177,11 +182,17 @@ class ReplicaBackend:
         headers[H_FORWARDED] = "1"  # not the replica's own request: the token decides
         if request.method == "PUT":
             # An upload's body, of any size, streamed as it comes; sent once (its writer
-            # resumes from what the primary holds, as after any broken send).
+            # resumes from what the primary holds, as after any broken send). Its answer
+            # waits for the primary's read-back of the whole file: a longer timeout.
             if request.content_length is not None:
                 headers["Content-Length"] = str(request.content_length)
-            resp = await self.primary.open(request.method, request.raw_path, headers,
-                                           request.content)
+            resp = await self.writes.open(request.method, request.raw_path, headers,
+                                          request.content)
+        elif request.method == "DELETE" or request.path.endswith("/commit"):
+            # Not safe to send twice (a commit resent finds its uploads committing, a
+            # discard resent finds none): once; the writer asks what became of it.
+            resp = await self.writes.open(request.method, request.raw_path, headers,
+                                          bytes(await read_body(request)))
         else:
             body = bytes(await read_body(request))  # bounded, like the primary's own
             # Retried until the primary answers; once its answer has begun, it goes on as is.

@@ -32,6 +32,7 @@ import asyncio
 import json
 import logging
 import os
+import threading
 import time
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
@@ -63,6 +64,7 @@ log = logging.getLogger(__name__)
 
 PIECE = 1 << 20          # bytes read from a part per piece of an upload's body
 DONE_KEPT = 100          # commits published, listed in a dataset's ``done``
+EXPIRE_EVERY = 3600.0    # seconds between drops of uploads no commit took for a week
 IDLE = 2.0               # seconds between looks for work when none was signalled
 BACKOFF_MOST = 30.0      # seconds between tries while the hub is unreachable
 SENDS_AT_ONCE = 4        # uploads to the hub in flight at once
@@ -88,6 +90,8 @@ class WriteBack:
         self._discards: set[tuple[str, str]] = set()
         # (dataset, path, version) the hub holds whole (it said so): not asked again.
         self._at_hub: set[tuple[str, str, str]] = set()
+        self._lock = threading.Lock()  # making an Incoming (threads and the loop)
+        self._expired_at = 0.0         # when the last expiry ran (time.monotonic)
 
     # -- what is held ------------------------------------------------------------------------
     async def incoming(self, ds: str) -> Incoming:
@@ -103,26 +107,42 @@ class WriteBack:
         if not info.writable:
             raise Forbidden(f"dataset {ds!r} is read-only at its hub: a spoke writes back only "
                             "to a dataset the hub declares writable")
-        inc = self._incoming.get(ds)
-        if inc is None or inc.block_size != info.block_size:
-            inc = await asyncio.to_thread(self._open, ds, info.block_size)
+        inc = self._incoming.get(ds) or await asyncio.to_thread(self._open, ds,
+                                                                info.block_size)
+        if inc.block_size != info.block_size:
+            # Digests made here would not be the hub's: what is held stays, and is sent as
+            # it is (the hub checks it against the version declared); new writes wait.
+            raise Conflict(f"dataset {ds!r} changed its block size at the hub "
+                           f"({inc.block_size} -> {info.block_size}) while this spoke holds "
+                           "writes to it; they go first, then restart the spoke")
         return inc
 
     def _open(self, ds: str, block_size: int) -> Incoming:
         """``ds``'s folder here, its block size written down (durably) for a restart."""
-        folder = self.root / ds
-        (folder / "data").mkdir(parents=True, exist_ok=True)
-        write_durably(folder / "dataset.json", json.dumps({"block_size": block_size}).encode())
-        inc = self._incoming[ds] = Incoming(folder / "data", folder, block_size)
-        return inc
+        with self._lock:  # one Incoming per dataset: its guards are in memory
+            if ds in self._incoming:
+                return self._incoming[ds]
+            folder = self.root / ds
+            (folder / "data").mkdir(parents=True, exist_ok=True)
+            write_durably(folder / "dataset.json",
+                          json.dumps({"block_size": block_size}).encode())
+            return self._made(ds, block_size)
 
     def _restored(self, ds: str) -> Incoming | None:
-        try:
-            doc = json.loads((self.root / ds / "dataset.json").read_bytes())
-            block_size = int(doc["block_size"])
-        except (OSError, ValueError, KeyError, TypeError):
-            return None
-        inc = self._incoming[ds] = Incoming(self.root / ds / "data", self.root / ds, block_size)
+        with self._lock:
+            if ds in self._incoming:
+                return self._incoming[ds]
+            try:
+                doc = json.loads((self.root / ds / "dataset.json").read_bytes())
+                block_size = int(doc["block_size"])
+            except (OSError, ValueError, KeyError, TypeError):
+                return None
+            return self._made(ds, block_size)
+
+    def _made(self, ds: str, block_size: int) -> Incoming:
+        inc = Incoming(self.root / ds / "data", self.root / ds, block_size)
+        inc.pending()  # the commits answered before a restart: their paths stay guarded
+        self._incoming[ds] = inc
         return inc
 
     def _known(self) -> dict[str, Incoming]:
@@ -171,6 +191,7 @@ class WriteBack:
         held_now = await asyncio.to_thread(inc.upload, path)
         if offset == 0 and (held_now is None or held_now.version != version):
             held = await asyncio.to_thread(self.unsafe_bytes)
+            held -= held_now.size if held_now is not None else 0  # replaced by this one
             if held + size > self.unsafe_quota:
                 log.error("write-back of %s/%s refused: %d bytes are not yet safe at the hub, "
                           "the quota is %d (--unsafe-quota); is the link down? %s", ds, path,
@@ -228,14 +249,7 @@ class WriteBack:
                 "last_error": self.last_error}
 
     def _journals(self, inc: Incoming) -> list[tuple[Path, list[str]]]:
-        out = []
-        for journal in sorted(inc.journals.glob("*.json")) if inc.journals.is_dir() else []:
-            try:
-                doc = json.loads(journal.read_bytes())
-                out.append((journal, [str(u["path"]) for u in doc["uploads"]]))
-            except (OSError, ValueError, KeyError, TypeError):
-                continue
-        return out
+        return [(journal, [u.path for u in ups]) for journal, ups in inc.pending()]
 
     def _done(self, ds: str) -> list[dict[str, Any]]:
         try:
@@ -261,9 +275,9 @@ class WriteBack:
                 pause = IDLE if not busy else 0.0
             except (SpokeError, OSError, aiohttp.ClientError) as exc:
                 self.last_error = f"{type(exc).__name__}: {exc}"
+                pause = min(max(pause * 2, 1.0), BACKOFF_MOST)
                 log.warning("write-back: the hub cannot take uploads now (%s); trying again in "
                             "%.0fs", exc, pause)
-                pause = min(max(pause * 2, 1.0), BACKOFF_MOST)
             if pause:
                 self._wake.clear()
                 try:
@@ -287,17 +301,33 @@ class WriteBack:
                                 "(%d %s); it drops it after a week", ds, path, status,
                                 body[:200])
             self._discards.discard((ds, path))
+        if time.monotonic() - self._expired_at > EXPIRE_EVERY:
+            self._expired_at = time.monotonic()
+            for inc in self._known().values():  # uploads no commit took for a week
+                await asyncio.to_thread(inc.expire)
+        failure: BaseException | None = None
         for ds, inc in self._known().items():
-            journals = await asyncio.to_thread(self._journals, inc)
-            # Every whole upload to the hub, a few at once (one TCP stream seldom fills a
-            # long link), the oldest commit's first; then the commits whose files all are.
-            first = [p for _, paths in journals for p in paths]
-            rest = [u["path"] for u in await asyncio.to_thread(inc.listing)
-                    if u["whole"] and u["path"] not in set(first)]
-            did = await self._send_all(ds, inc, [*dict.fromkeys(first), *rest]) or did
-            for journal, paths in journals:
-                await self._finish(ds, inc, journal, paths)
-                did = True
+            # One dataset's trouble (its hub down, a refusal) does not hold up the others'.
+            try:
+                did = await self._dataset_once(ds, inc) or did
+            except (SpokeError, OSError, aiohttp.ClientError) as exc:
+                failure = failure or exc
+        if failure is not None:
+            raise failure
+        return did
+
+    async def _dataset_once(self, ds: str, inc: Incoming) -> bool:
+        journals = await asyncio.to_thread(inc.pending)
+        # Every whole upload to the hub, a few at once (one TCP stream seldom fills a long
+        # link), the oldest commit's first; then the commits whose files all are.
+        first = [u.path for _, ups in journals for u in ups]
+        named = set(first)
+        rest = [u["path"] for u in await asyncio.to_thread(inc.listing)
+                if u["whole"] and u["path"] not in named]
+        did = await self._send_all(ds, inc, [*dict.fromkeys(first), *rest])
+        for journal, ups in journals:
+            await self._finish(ds, inc, journal, ups)
+            did = True
         return did
 
     def _client(self, ds: str) -> UpstreamClient:
@@ -375,20 +405,24 @@ class WriteBack:
             self._at_hub.add((ds, path, up.version))
         return True
 
-    async def _finish(self, ds: str, inc: Incoming, journal: Path, paths: list[str]) -> None:
-        """A commit journalled here: each file whole at the hub, then the hub's commit; once
-        the hub has published it, the local copies go."""
-        ups = [u for u in (inc.upload(p) for p in paths) if u is not None]
-        if len(ups) != len(paths):  # its records were removed by hand: nothing to send
-            await asyncio.to_thread(self._failed, inc, journal, ups, "its uploads are gone "
-                                    "from the spoke")
-            return
+    async def _finish(self, ds: str, inc: Incoming, journal: Path, ups: list[Upload]) -> None:
+        """A commit journalled here (``ups``: as the journal names them): each file whole
+        at the hub, then the hub's commit; once the hub has published it, the local copies
+        go."""
         sent = journal.with_suffix(".sent")
         if sent.exists() and await self._landed(ds, ups):
             await asyncio.to_thread(self._published, ds, inc, journal, ups,
                                     {"id": None, "recovered": True})
             return
+        held = await asyncio.to_thread(lambda: [inc.upload(u.path) for u in ups])
+        if any(h is None or (h.version, h.identity) != (u.version, u.identity)
+               for h, u in zip(held, ups, strict=True)):
+            await asyncio.to_thread(self._failed, inc, journal, ups, "its uploads are not "
+                                    "at the spoke as they were committed (removed by hand?)")
+            return
         await self._send_all(ds, inc, [u.path for u in ups])  # known whole there: no request
+        if any((ds, u.path, u.version) not in self._at_hub for u in ups):
+            return  # one is not whole at the hub yet (refused, or cut off): next round
         await asyncio.to_thread(write_durably, sent, b"")
         try:
             doc = await self._client(ds).post_json(f"/v1/datasets/{quote(ds)}/commit",
