@@ -81,37 +81,37 @@ class UploadFile(io.FileIO):
         return f"<spokefs upload {self.path!r} of {self.uploader.dataset!r}>"
 
 
-class BufferedUpload(io.BufferedWriter):
-    """``UploadFile`` buffered; a with-block that fails sends nothing."""
+class _Abandons:
+    """A wrapper of an ``UploadFile`` (``_upload`` finds it): a with-block that fails, or
+    the garbage collector, abandons it instead of uploading."""
 
-    def __del__(self) -> None:  # never uploaded from the garbage collector
-        if not self.closed:
-            raw = self.raw
-            assert isinstance(raw, UploadFile)
-            raw.abandon()
+    def _upload(self) -> UploadFile:
+        raise NotImplementedError
 
-    def __exit__(self, kind: object, exc: object, tb: object) -> None:
-        if exc is None:
-            self.close()
-        else:
-            raw = self.raw
-            assert isinstance(raw, UploadFile)
-            raw.abandon()
-
-
-class TextUpload(io.TextIOWrapper):
-    """``UploadFile`` as text; a with-block that fails sends nothing."""
-
-    def __del__(self) -> None:  # never uploaded from the garbage collector
-        if not self.closed:
-            raw = self.buffer.raw  # type: ignore[attr-defined]
-            assert isinstance(raw, UploadFile)
-            raw.abandon()
+    def __del__(self) -> None:
+        if not self.closed:  # type: ignore[attr-defined]
+            self._upload().abandon()
 
     def __exit__(self, kind: object, exc: object, tb: object) -> None:
         if exc is None:
-            self.close()
+            self.close()  # type: ignore[attr-defined]
         else:
-            raw = self.buffer.raw  # type: ignore[attr-defined]
-            assert isinstance(raw, UploadFile)
-            raw.abandon()
+            self._upload().abandon()
+
+
+class BufferedUpload(_Abandons, io.BufferedWriter):
+    """``UploadFile`` buffered."""
+
+    def _upload(self) -> UploadFile:
+        raw = self.raw
+        assert isinstance(raw, UploadFile)
+        return raw
+
+
+class TextUpload(_Abandons, io.TextIOWrapper):
+    """``UploadFile`` as text."""
+
+    def _upload(self) -> UploadFile:
+        raw = self.buffer.raw  # type: ignore[attr-defined]
+        assert isinstance(raw, UploadFile)
+        return raw
