@@ -47,7 +47,14 @@ class Mount:
                  short_circuit: dict[str, object] | None = None, workers: int = 32,
                  connections: int = 32, file_uid: int | None = None,
                  file_gid: int | None = None, file_mode: int | None = None,
-                 dir_mode: int | None = None) -> None: ...
+                 dir_mode: int | None = None, staging: str | None = None) -> None: ...
+    def take_writes(self, timeout_s: float) -> list[
+            tuple[int, str, str, str | None, str | None, bool]] | None:
+        """A writable mount's requests (``staging`` given): (id, "put", path, None, staged,
+        False), (id, "rename", from, to, staged, uploaded), (id, "discard", path, None, None,
+        True); None once closed. Each waits for ``answer_write``."""
+    def answer_write(self, id: int, errno: int, committed: str | None = None) -> bool:
+        """0 or an errno, and the folder ("dir/") committed with it."""
     def start(self) -> None:
         """Mount; returns once the kernel has initialised the session (GIL released)."""
     def wait(self, timeout_s: float) -> bool:

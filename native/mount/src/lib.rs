@@ -1,4 +1,5 @@
-//! spokefs-mount: the read-only FUSE mount of one snapshot, as a native daemon.
+//! spokefs-mount: the FUSE mount of one snapshot (read-only, or writable for new files), as
+//! a native daemon.
 //!
 //! Python keeps setup (resolving the snapshot, loading the manifest, probing the short
 //! circuit, readiness, readahead, logging, daemonising) and hands this crate, in one call,
@@ -13,7 +14,8 @@
 //! - [`units`]: reads over HTTP ([`http`]), whole units for streams, exact ranges for
 //!   random reads, with in-flight de-duplication and a bounded cache;
 //! - [`mount`]: the lifecycle (start, wait, unmount, counters, logs via [`events`]);
-//! - [`latency`]: each kind of request's time, as histograms (atomics only).
+//! - [`latency`]: each kind of request's time, as histograms (atomics only);
+//! - [`writes`]: a writable mount's files (staged here, uploaded by Python: `--writable`).
 //!
 //! One `unsafe` call: mount(2), in [`sysmount`] (its comment says why it is sound).
 #![deny(unsafe_code)]
@@ -29,6 +31,7 @@ pub mod shortcircuit;
 pub mod sysmount;
 pub mod table;
 pub mod units;
+pub mod writes;
 
 #[cfg(test)]
 mod testserver;
@@ -38,3 +41,4 @@ pub use fs::Perms;
 pub use mount::{Mount, MountConfig, MountError, parse_options, perms_of};
 pub use shortcircuit::ScConfig;
 pub use table::{Columns, InodeTable};
+pub use writes::{Answer, Ask};

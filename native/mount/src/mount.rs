@@ -28,6 +28,10 @@ use crate::shortcircuit::{ScConfig, ShortCircuit};
 use crate::sysmount::SysMount;
 use crate::table::{Columns, InodeTable, TableError};
 use crate::units::{DEFAULT_CAPACITY, PREFETCH, UnitReader};
+use crate::writes::{Answer, Ask, Writes};
+
+/// Writer threads of a writable mount: closes and fsyncs waiting for their uploads at once.
+const WRITE_THREADS: usize = 16;
 
 /// Everything the mount needs besides the manifest's columns.
 #[derive(Debug, Clone)]
@@ -62,6 +66,8 @@ pub struct MountConfig {
     pub connections: usize,
     /// Bytes of fetch units held for streaming reads over HTTP.
     pub unit_capacity: u64,
+    /// Set: a writable mount, its new files staged in this folder (which must exist).
+    pub staging: Option<PathBuf>,
 }
 
 impl MountConfig {
@@ -101,6 +107,7 @@ impl MountConfig {
             workers: 32,
             connections: 32,
             unit_capacity: DEFAULT_CAPACITY,
+            staging: None,
         }
     }
 }
@@ -229,6 +236,21 @@ impl Mount {
         let sc = cfg.short_circuit.clone().map(|c| {
             ShortCircuit::new(up.clone(), c, table.clone(), events.clone(), cfg.block_size)
         });
+        let writes = match &cfg.staging {
+            Some(dir) if !dir.is_dir() => {
+                return Err(MountError::Config(format!(
+                    "the staging folder {} is not a folder",
+                    dir.display()
+                )));
+            }
+            // One thread per close or fsync waiting for its upload: ranks save at once.
+            Some(dir) => Some(Arc::new(
+                Writes::new(dir.clone(), table.inode_count() + 1, WRITE_THREADS).map_err(|e| {
+                    MountError::Mount(format!("cannot start the write threads: {e}"))
+                })?,
+            )),
+            None => None,
+        };
         let core = Arc::new(Core {
             table,
             units,
@@ -238,6 +260,7 @@ impl Mount {
             counters: Counters::default(),
             latency: Latency::default(),
             perms,
+            writes,
         });
         Ok(Mount {
             cfg,
@@ -410,6 +433,10 @@ impl Mount {
             ("exact_bytes", ld(&u.exact_bytes)),
             ("prefetches", ld(&u.prefetches)),
             ("queued_reads", self.core.pool.queued() as u64),
+            ("writes", ld(&c.writes)),
+            ("write_bytes", ld(&c.write_bytes)),
+            ("uploads", ld(&c.uploads)),
+            ("upload_errors", ld(&c.upload_errors)),
         ];
         if let Some(sc) = &self.core.sc {
             let s = &sc.stats;
@@ -438,10 +465,24 @@ impl Mount {
         self.events.take_logs().into_iter().map(|(l, m)| (l as u8, m)).collect()
     }
 
+    /// A writable mount's requests for its owner (at most `timeout` waiting for one);
+    /// None once the mount is closed (or not writable).
+    pub fn take_writes(&self, timeout: Duration) -> Option<Vec<(u64, Ask)>> {
+        self.core.writes.as_ref()?.queue.take(timeout)
+    }
+
+    /// The owner's answer to request `id`; false when nothing waits for it.
+    pub fn answer_write(&self, id: u64, answer: Answer) -> bool {
+        self.core.writes.as_ref().is_some_and(|w| w.queue.answer(id, answer))
+    }
+
     /// After the mount is gone: report the last reads, log the short circuit's counts.
     pub fn close(&self) {
         if self.closed.swap(true, Ordering::SeqCst) {
             return;
+        }
+        if let Some(w) = &self.core.writes {
+            w.queue.close(); // a close still waiting fails (EIO) rather than hang
         }
         if let Some(sc) = &self.core.sc {
             sc.close();

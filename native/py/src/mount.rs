@@ -15,7 +15,7 @@ use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
 use pyo3::types::PyDict;
 
-use spokefs_mount::{Columns, Mount, MountConfig, MountError, ScConfig};
+use spokefs_mount::{Answer, Ask, Columns, Mount, MountConfig, MountError, ScConfig};
 
 /// A `spokefs.errors` exception (ConfigError, ReadFailed, ...) carrying `msg`.
 fn project_error(py: Python<'_>, name: &str, msg: String) -> PyErr {
@@ -59,7 +59,7 @@ impl PyMount {
                         dataset, snapshot, base_url, token=None, deadline_s=30.0, options,
                         uid=0, gid=0, created_ns=0, short_circuit=None, workers=32,
                         connections=32, file_uid=None, file_gid=None, file_mode=None,
-                        dir_mode=None))]
+                        dir_mode=None, staging=None))]
     #[allow(clippy::too_many_arguments)]
     fn new(
         py: Python<'_>,
@@ -87,6 +87,7 @@ impl PyMount {
         file_gid: Option<u32>,
         file_mode: Option<u32>,
         dir_mode: Option<u32>,
+        staging: Option<PathBuf>,
     ) -> PyResult<PyMount> {
         if !(deadline_s.is_finite() && deadline_s > 0.0) {
             return Err(project_error(
@@ -109,6 +110,7 @@ impl PyMount {
         cfg.short_circuit = short_circuit.as_ref().map(sc_config).transpose()?;
         cfg.workers = workers;
         cfg.connections = connections;
+        cfg.staging = staging;
         let cols = Columns { paths, sizes, modes, mtimes_ns, versions, dirs };
         let inner = py.detach(|| Mount::new(cfg, cols)).map_err(|e| mount_error(py, e))?;
         Ok(PyMount { inner })
@@ -147,6 +149,36 @@ impl PyMount {
         let bounds = (0..spokefs_mount::latency::BUCKETS).map(spokefs_mount::latency::bound_s);
         let ops = self.inner.latency().into_iter().map(|o| (o.op, o.counts, o.sum_s));
         (bounds.collect(), ops.collect(), self.inner.counters().into_iter().collect())
+    }
+
+    /// A writable mount's requests (waiting up to `timeout_s` for one, the GIL released):
+    /// (id, "put", path, None, staged, False), (id, "rename", from, to, staged, uploaded),
+    /// (id, "discard", path, None, None, True); None once the mount is closed.
+    #[allow(clippy::type_complexity)]
+    fn take_writes(
+        &self,
+        py: Python<'_>,
+        timeout_s: f64,
+    ) -> Option<Vec<(u64, &'static str, String, Option<String>, Option<PathBuf>, bool)>> {
+        let t = Duration::from_secs_f64(timeout_s.clamp(0.0, 3600.0));
+        let asks = py.detach(|| self.inner.take_writes(t))?;
+        Some(
+            asks.into_iter()
+                .map(|(id, ask)| match ask {
+                    Ask::Put { path, staged } => (id, "put", path, None, Some(staged), false),
+                    Ask::Rename { from, to, staged, uploaded } => {
+                        (id, "rename", from, Some(to), Some(staged), uploaded)
+                    }
+                    Ask::Discard { path } => (id, "discard", path, None, None, true),
+                })
+                .collect(),
+        )
+    }
+
+    /// Answer request `id`: 0 or an errno, and the folder ("dir/") committed with it.
+    #[pyo3(signature = (id, errno, committed=None))]
+    fn answer_write(&self, id: u64, errno: i32, committed: Option<String>) -> bool {
+        self.inner.answer_write(id, Answer { errno, committed })
     }
 
     /// Log lines waiting, as (logging level, message), oldest first.

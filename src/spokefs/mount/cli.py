@@ -89,6 +89,15 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="a namespace mount (URL without a dataset): show DATASET at this "
                    "snapshot (repeat for more; else each is pinned to its latest when its "
                    "folder is first entered, for as long as the mount lives)")
+    m.add_argument("--writable", action="store_true",
+                   help="let new files be written into a writable dataset (native engine): "
+                   "each is uploaded to the spoke when closed or fsynced, and a folder is "
+                   "published when its commit marker (.metadata) arrives; the snapshot's own "
+                   "files stay read-only (docs/checkpoints.md)")
+    m.add_argument("--commit-marker", default=".metadata", metavar="NAME",
+                   help="with --writable: the file whose arrival publishes its folder "
+                   "(default .metadata, what torch.distributed.checkpoint writes last; "
+                   "'' for none: spokefs ckpt commit publishes)")
     m.add_argument("--engine", choices=("auto", "native", "python"), default="auto",
                    help="what serves the mount: native (a Rust FUSE daemon; plain http, no "
                    "--cache-dir), python (pyfuse3; everything), or auto (native when it can, "
@@ -130,7 +139,8 @@ def _mount(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
                         allow_other=args.allow_other,
                         read_ahead_kb=args.read_ahead_kb or DEFAULT_READ_AHEAD_KB,
                         short_circuit=not args.no_short_circuit,
-                        spoke_cache=args.spoke_cache, engine=args.engine, uid=args.uid,
+                        spoke_cache=args.spoke_cache, engine=args.engine, writable=args.writable,
+                        commit_marker=args.commit_marker or None, uid=args.uid,
                         gid=args.gid, file_mode=args.file_mode, dir_mode=args.dir_mode,
                         extra_options=tuple(extra), pins=tuple(args.pin or ()),
                         metrics_port=args.metrics_port, metrics_addr=args.metrics_addr)

@@ -17,12 +17,14 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import shutil
 import signal
+import tempfile
 from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from spokefs.errors import ConfigError
+from spokefs.errors import ConfigError, SpokeError
 from spokefs.manifest import Manifest
 from spokefs.mount import sysfs
 from spokefs.mount.metrics import ready_note
@@ -33,6 +35,7 @@ from spokefs.wire.auth import client_token
 from spokefs.wire.headers import H_INTERNAL
 
 if TYPE_CHECKING:
+    from spokefs.client.uploads import Uploader
     from spokefs.mount.run import MountOptions
 
 log = logging.getLogger(__name__)
@@ -63,6 +66,8 @@ def choose(opts: MountOptions) -> str:
         return "python"
     why = None
     target = Target.parse(opts.url)
+    if opts.writable and opts.engine == "python":
+        raise ConfigError("--writable runs in the native engine only")
     if opts.cache_dir is not None:
         why = "an embedded cache (--cache-dir) runs in the python engine only"
     elif target.namespace:
@@ -74,10 +79,27 @@ def choose(opts: MountOptions) -> str:
     if why is None:
         log.info("engine: native")
         return "native"
-    if opts.engine == "native":
-        raise ConfigError(f"--engine native: {why}")
+    if opts.engine == "native" or opts.writable:
+        raise ConfigError(f"{'--writable' if opts.writable else '--engine native'}: {why}")
     log.info("engine: python (%s)", why)
     return "python"
+
+
+async def _writable(opts: MountOptions, source: UpstreamSource, dataset: str
+                    ) -> tuple[Uploader, Path]:
+    """The uploader of a ``--writable`` mount (the dataset checked to take writes) and its
+    staging folder (made here, private, removed at unmount)."""
+    from spokefs.client.uploads import Uploader
+    from spokefs.client.writer import staging_dir
+
+    up = Uploader(source.target.base, dataset, token=client_token(), deadline=opts.deadline)
+    try:
+        await asyncio.to_thread(up.check_writable)
+    except SpokeError as exc:
+        raise ConfigError(f"--writable: {exc}") from exc
+    staging = Path(tempfile.mkdtemp(prefix="spokefs-mount-", dir=staging_dir()))
+    log.info("writable: new files are staged in %s until the spoke holds them", staging)
+    return up, staging
 
 
 def _drain(mount: object) -> None:
@@ -99,13 +121,24 @@ async def serve_native(opts: MountOptions, mountpoint: Path, source: UpstreamSou
         local.cache.close()
         source.local = None
     m = manifest
+    staging, uploader = None, None
+    if opts.writable:
+        uploader, staging = await _writable(opts, source, m.dataset)
     mount = _native.Mount(
         str(mountpoint), paths=m.paths, sizes=m.sizes, modes=m.modes, mtimes_ns=m.mtimes,
         versions=m.versions, dirs=m.dirs, block_size=m.block_size, dataset=m.dataset,
         snapshot=m.snapshot, base_url=source.target.base, token=client_token(),
         deadline_s=opts.deadline, options=sorted(options), uid=os.getuid(), gid=os.getgid(),
         created_ns=int(m.created * 1e9), short_circuit=sc, file_uid=opts.uid,
-        file_gid=opts.gid, file_mode=opts.file_mode, dir_mode=opts.dir_mode)
+        file_gid=opts.gid, file_mode=opts.file_mode,
+        # New files go into the snapshot's folders: writable to their owner.
+        dir_mode=opts.dir_mode if opts.dir_mode is not None or not opts.writable else 0o755,
+        staging=None if staging is None else str(staging))
+    writes = None
+    if uploader is not None:
+        from spokefs.mount.writes import MountWrites
+
+        writes = MountWrites(mount, uploader, opts.commit_marker)
     dataset, snapshot = m.dataset, m.snapshot
     del m, manifest
     await source.close()  # the setup's HTTP clients; the daemon has its own
@@ -113,6 +146,8 @@ async def serve_native(opts: MountOptions, mountpoint: Path, source: UpstreamSou
                                opts.metrics_addr, opts.metrics_port)
     try:
         await asyncio.to_thread(mount.start)
+        if writes is not None:
+            writes.start()
     except ConfigError as exc:
         if metrics is not None:
             metrics.close()
@@ -155,6 +190,10 @@ async def serve_native(opts: MountOptions, mountpoint: Path, source: UpstreamSou
                 log.error("%s", exc)
         await asyncio.to_thread(mount.close)
         _drain(mount)
+        if writes is not None:
+            await asyncio.to_thread(writes.join, 10.0)
+        if staging is not None:
+            shutil.rmtree(staging, ignore_errors=True)
         if metrics is not None:
             metrics.close()
         c = mount.counters()

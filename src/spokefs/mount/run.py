@@ -53,6 +53,8 @@ class MountOptions:
     short_circuit: bool = True         # read the spoke's cache files when on its host
     spoke_cache: Path | None = None    # the spoke's cache folder here (else its status's)
     engine: str = "auto"               # auto, native (Rust daemon), python (spokefs.mount.native)
+    writable: bool = False             # new files may be written (native engine only)
+    commit_marker: str | None = ".metadata"  # a writable mount publishes its folder on it
     uid: int | None = None             # what stat shows (None: the mounting user's)
     gid: int | None = None
     file_mode: int | None = None       # None: each file's own bits from the snapshot
@@ -72,7 +74,9 @@ def perms(opts: MountOptions) -> Perms:
 
 def fuse_options(opts: MountOptions) -> set[str]:
     # nosuid, nodev: what a dataset holds is data, never a privilege or a device.
-    o = {"fsname=spokefs", "subtype=spokefs", "ro", "default_permissions", "nosuid", "nodev"}
+    o = {"fsname=spokefs", "subtype=spokefs", "default_permissions", "nosuid", "nodev"}
+    if not opts.writable:
+        o.add("ro")
     if opts.allow_other:
         o.add("allow_other")
     o.update(opts.extra_options)

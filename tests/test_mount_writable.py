@@ -1,0 +1,98 @@
+"""``spokefs mount --writable`` (native engine; native/mount/src/writes.rs and
+spokefs/mount/writes.py): files written into a writable dataset through a real FUSE mount are
+uploaded to the spoke on close and fsync, published at the hub as one commit when the
+folder's commit marker is renamed in (torch.distributed.checkpoint's order), and the
+snapshot's own files stay read-only. Real hub, spoke and mount processes on 127.0.0.1."""
+
+from __future__ import annotations
+
+import errno
+import os
+import time
+from pathlib import Path
+
+import pytest
+
+from spokefs.mount.process import MountError, MountProcess, fuse_unusable
+from test_writeback import WRITER, Site, _published
+
+pytestmark = pytest.mark.skipif(fuse_unusable() is not None, reason=str(fuse_unusable()))
+
+
+def _wait_published(site: Site, want: set[str], timeout: float = 30.0) -> dict[str, str]:
+    t0 = time.monotonic()
+    while time.monotonic() - t0 < timeout:
+        got = _published(site)
+        if want <= set(got):
+            return got
+        time.sleep(0.1)
+    raise AssertionError(f"not published within {timeout}s: {sorted(want - set(_published(site)))}")
+
+
+def test_a_checkpoint_written_through_the_mount_is_published_whole(tmp_path: Path) -> None:
+    site = Site(tmp_path)
+    site.start_hub()
+    site.start_spoke()
+    assert site.spoke is not None
+    mp = tmp_path / "mnt"
+    mp.mkdir()
+    shards = {f"__{i}_0.distcp": os.urandom(300_000 + i) for i in range(3)}
+    try:
+        with MountProcess(f"{site.spoke.url}/ckpt", mp, "--writable", "--engine", "native",
+                          env={"SPOKEFS_TOKEN": WRITER,
+                               "SPOKEFS_STAGING": str(tmp_path)}):
+            # The snapshot's own files stay read-only.
+            assert (mp / "old.pt").read_bytes() == b"before\n"
+            for how in (lambda: os.open(mp / "old.pt", os.O_WRONLY | os.O_APPEND),
+                        lambda: (mp / "old.pt").unlink()):
+                with pytest.raises(OSError) as e:
+                    how()
+                assert e.value.errno in (errno.EROFS, errno.EACCES, errno.EPERM)
+            (mp / "step-1").mkdir()
+            for name, data in shards.items():
+                with open(mp / "step-1" / name, "wb") as f:
+                    f.write(data[:100_000])
+                    f.write(data[100_000:])
+                    f.flush()
+                    os.fsync(f.fileno())
+            # Uploaded, read back from the staging copy, listed; not yet published.
+            assert (mp / "step-1" / "__1_0.distcp").read_bytes() == shards["__1_0.distcp"]
+            assert sorted(os.listdir(mp / "step-1")) == sorted(shards)
+            assert not any(p.startswith("step-1/") for p in _published(site))
+            # A file removed before the commit is not published.
+            (mp / "step-1" / "scratch").write_bytes(b"x" * 10)
+            (mp / "step-1" / "scratch").unlink()
+            # DCP writes its metadata under a temporary name, then renames it in.
+            (mp / "step-1" / ".metadata.tmp").write_bytes(b"meta")
+            os.rename(mp / "step-1" / ".metadata.tmp", mp / "step-1" / ".metadata")
+            got = _wait_published(site, {f"step-1/{n}" for n in [*shards, ".metadata"]})
+            assert not {"step-1/.metadata.tmp", "step-1/scratch"} & set(got)
+            # Published: its staging copy is gone; it is read from a newer snapshot.
+            with pytest.raises(OSError) as e:
+                (mp / "step-1" / "__0_0.distcp").read_bytes()
+            assert e.value.errno == errno.ESTALE
+            with pytest.raises(OSError) as e:
+                os.open(mp / "step-1" / "__0_0.distcp", os.O_RDWR)
+            assert e.value.errno == errno.EROFS
+        for name, data in shards.items():
+            assert (site.ckpt / "step-1" / name).read_bytes() == data
+        assert (site.ckpt / "step-1" / ".metadata").read_bytes() == b"meta"
+        assert not list(tmp_path.glob("spokefs-mount-*")), "staging left behind"
+    finally:
+        site.close()
+
+
+def test_writable_needs_a_writable_dataset(tmp_path: Path) -> None:
+    site = Site(tmp_path)
+    site.start_hub()
+    site.start_spoke()
+    assert site.spoke is not None
+    mp = tmp_path / "mnt"
+    mp.mkdir()
+    try:
+        with pytest.raises(MountError, match="--writable: dataset 'ro' is read-only"), \
+                MountProcess(f"{site.spoke.url}/ro", mp, "--writable",
+                             env={"SPOKEFS_TOKEN": WRITER}):
+            pass
+    finally:
+        site.close()
