@@ -33,7 +33,7 @@ use crate::pool::Pool;
 use crate::shortcircuit::{ScRead, ShortCircuit};
 use crate::table::{Attr, InodeTable};
 use crate::units::{Streams, UnitReader};
-use crate::writes::{Ask, Kind, Node, Writes, Written, valid_name};
+use crate::writes::{Ask, Kind, Node, Overlay, Writes, Written, valid_name};
 
 /// How long the kernel may trust entries and attributes: a snapshot is immutable.
 pub const CACHE_TIMEOUT: Duration = Duration::from_secs(86400);
@@ -228,17 +228,28 @@ fn upload(core: &Core, w: &Writes, ino: u64) -> Result<(), Errno> {
         return Err(Errno::from_i32(answer.errno));
     }
     core.counters.uploads.fetch_add(1, Ordering::Relaxed);
-    let mut o = w.lock();
+    uploaded(&core.table, &mut w.lock(), ino, changes, answer.committed);
+    Ok(())
+}
+
+/// After Python uploaded `ino` with its first `changes` changes: the spoke holds them, and
+/// a folder it committed with them loses its staging copies.
+fn uploaded(
+    table: &InodeTable,
+    o: &mut Overlay,
+    ino: u64,
+    changes: u64,
+    committed: Option<String>,
+) {
     if let Some(Node { kind: Kind::File(f), .. }) = o.nodes.get_mut(&ino) {
         f.uploaded = f.uploaded.max(changes);
         f.at_spoke = true;
     }
-    if let Some(prefix) = answer.committed {
-        for staged in o.committed(&core.table, &prefix) {
+    if let Some(prefix) = committed {
+        for staged in o.committed(table, &prefix) {
             let _ = std::fs::remove_file(staged);
         }
     }
-    Ok(())
 }
 
 /// What this mount made at an inode.
@@ -874,15 +885,7 @@ impl Filesystem for SnapshotFs {
                 let _ = std::fs::remove_file(&f.staged);
             }
             o.rename(ino, newparent.0, &to_name);
-            if let Some(Node { kind: Kind::File(f), .. }) = o.nodes.get_mut(&ino) {
-                f.uploaded = f.uploaded.max(changes);
-                f.at_spoke = true;
-            }
-            if let Some(prefix) = answer.committed {
-                for staged in o.committed(&core.table, &prefix) {
-                    let _ = std::fs::remove_file(staged);
-                }
-            }
+            uploaded(&core.table, &mut o, ino, changes, answer.committed);
             drop(o);
             reply.ok();
         });
