@@ -127,6 +127,36 @@ def _written_back(site: Site, tmp_path: Path) -> None:
         assert reader.read("ckpt", version, 0, local.stat().st_size) == local.read_bytes()
 
 
+def test_a_published_commit_stays_in_the_spokes_cache(site: Site, tmp_path: Path) -> None:
+    """Once published, a commit written through the spoke is read back from the spoke's own
+    cache (spoke.kept): with the hub gone, and after the spoke is killed and started again."""
+    up = site.writer()
+    files = _files(tmp_path, 2, BLOCK * 3 + 11)
+    for path, local in files.items():
+        up.put(path, local)
+    up.commit(prefix="step-1/")
+    assert up.wait_safe("step-1/", timeout=60)
+    assert site.spoke is not None and site.hub is not None
+    reader = Client(site.spoke.url, token=READER)
+    snap = reader.resolve("ckpt", "latest")
+    m = reader.manifest("ckpt", snap)  # the manifest, kept by the spoke
+    metrics = urllib3.request("GET", f"{site.spoke.url}/metrics",
+                              headers={"Authorization": f"Bearer {WRITER}"}).data.decode()
+    size = sum(p.stat().st_size for p in files.values())
+    assert f"spokefs_writeback_cached_bytes_total {size}.0" in metrics
+    assert f"spokefs_writeback_pinned_bytes {size}.0" in metrics
+    site.hub.stop()
+    for restarted in (False, True):
+        if restarted:
+            site.spoke.kill()
+            site.start_spoke()
+            reader = Client(site.spoke.url, token=READER)
+        for path, local in files.items():
+            version = m.versions[m.paths.index(path)]
+            got = reader.read("ckpt", version, 0, local.stat().st_size)
+            assert got == local.read_bytes(), (path, restarted)
+
+
 def test_the_hub_down_and_the_spoke_killed_lose_nothing(site: Site, tmp_path) -> None:
     """Written and committed while the hub is down, the spoke killed -9, started again, the
     hub back: the commit is published whole, and ``ckpt wait`` returns."""

@@ -93,6 +93,11 @@ def register(sub: argparse._SubParsersAction) -> None:
                        help="bytes written through this spoke into a writable dataset and not "
                        "yet published at the hub, at most (default 64GiB): past it, new "
                        "uploads answer 507 until the hub has taken some (docs/checkpoints.md)")
+    serve.add_argument("--keep-checkpoints", type=int, default=2, metavar="N",
+                       help="commits written through this spoke are put in its cache once the "
+                       "hub publishes them, and the last N of each dataset stay pinned, at "
+                       "most half the cache (default 2; 0: not cached at publish; "
+                       "docs/checkpoints.md)")
     serve.add_argument("--workers", type=int, default=None, metavar="N",
                        help="processes serving readers (default: the number of cores, at "
                        "most 16): one primary fills the cache, the others serve from it too")
@@ -112,6 +117,9 @@ def register(sub: argparse._SubParsersAction) -> None:
 def _serve(args: argparse.Namespace) -> int:
     from spokefs.spoke.upstreams import Routes, parse_upstream, with_tokens
 
+    if args.keep_checkpoints < 0:
+        raise ConfigError(f"--keep-checkpoints {args.keep_checkpoints}: give a count of "
+                          "commits, 0 or more")
     tokens = [str(p) for p in args.upstream_token_file or ()]
     specs = with_tokens([parse_upstream(u) for u in args.upstream], tokens)
     Routes(specs)  # two upstreams of one URL, an s3:// one beside others: refused here
@@ -137,6 +145,7 @@ def _serve(args: argparse.Namespace) -> int:
                          pacing=not args.no_pacing, write_io=args.write_io,
                          read_window=args.read_window, pin_ttl=args.pin_ttl,
                          stale_after=args.stale_after, unsafe_quota=args.unsafe_quota,
+                         keep_checkpoints=args.keep_checkpoints,
                          auth=str(args.auth) if args.auth else None,
                          audit_log=args.audit_log,
                          upstream_token_file=specs[0].token_file,

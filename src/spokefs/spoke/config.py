@@ -44,6 +44,10 @@ class SpokeConfig:
     # Bytes written here (spoke.writeback) and not yet published at the hub, at most: past
     # it, new uploads are refused (507) until the hub has taken some.
     unsafe_quota: int = 64 << 30
+    # Commits written through this spoke go into its cache once the hub publishes them; the
+    # last this many of each dataset stay pinned (spoke.kept; 0: not put in the cache).
+    keep_checkpoints: int = 2
+    keep_share: float = 0.5         # most of the capacity those pins may hold
     # Blocks of a file version no snapshot in use holds (changed or removed at the source)
     # leave the cache within this long; 0 keeps them until evicted (retire_stale).
     stale_after: float = 600.0

@@ -40,6 +40,7 @@ from spokefs.spoke.datasets import DatasetConfig
 from spokefs.spoke.fairshare import FairShares
 from spokefs.spoke.fetcher import Fetcher
 from spokefs.spoke.jobsignal import JobSignal
+from spokefs.spoke.kept import Keeper
 from spokefs.spoke.local import SameHost
 from spokefs.spoke.member import Member, make_tier
 from spokefs.spoke.metadata import Metadata
@@ -136,6 +137,9 @@ class SpokeBackend:
             [UpstreamClient(s.url, max_connections=2, request_timeout=WRITE_TIMEOUT, token=t)
              for s, t in zip(self.routes.specs, tokens, strict=True)],
             config.unsafe_quota)
+        if config.keep_checkpoints > 0:
+            self.writeback.keeper = Keeper(self.store, config.keep_checkpoints,
+                                           config.keep_share)
         self.registry.register(self.writeback)
         self.started = time.time()
 

@@ -55,6 +55,7 @@ from spokefs.errors import (
     UpstreamUnavailable,
 )
 from spokefs.hub.uploads import Incoming, Placed, Upload, _key
+from spokefs.spoke.kept import Keeper
 from spokefs.spoke.metadata import Metadata
 from spokefs.wire.client import UpstreamClient
 from spokefs.wire.errors import error_for_transport, raise_for_status
@@ -92,6 +93,9 @@ class WriteBack:
         self._at_hub: set[tuple[str, str, str]] = set()
         self._lock = threading.Lock()  # making an Incoming (threads and the loop)
         self._expired_at = 0.0         # when the last expiry ran (time.monotonic)
+        # Published commits into this spoke's cache, the last ones pinned (spoke.kept); set
+        # by the spoke's backend, None: a commit's local copies go once published.
+        self.keeper: Keeper | None = None
 
     # -- what is held ------------------------------------------------------------------------
     async def incoming(self, ds: str) -> Incoming:
@@ -180,6 +184,14 @@ class WriteBack:
         yield commits
         yield CounterMetricFamily("spokefs_writeback_sent_bytes", "Bytes this spoke uploaded "
                                   "to its hub (write-back)", value=self.sent_bytes)
+        if self.keeper is not None:
+            yield CounterMetricFamily("spokefs_writeback_cached_bytes", "Bytes of published "
+                                      "commits put into this spoke's cache from their local "
+                                      "copies (--keep-checkpoints)",
+                                      value=self.keeper.kept_bytes)
+            yield GaugeMetricFamily("spokefs_writeback_pinned_bytes", "Bytes of the last "
+                                    "published commits pinned in this spoke's cache",
+                                    value=self.keeper.last.pinned_bytes)
 
     def unsafe_bytes(self) -> int:
         """Bytes held here that the hub has not published yet."""
@@ -264,9 +276,25 @@ class WriteBack:
                 continue  # a line torn by a crash: the hub holds the truth
         return out
 
+    async def _repin(self) -> None:
+        """The last commits published before a restart, pinned again (``keeper``)."""
+        if self.keeper is None or self.keeper.last.keep <= 0:
+            return
+        keep = self.keeper.last.keep
+        known = await asyncio.to_thread(self._known)
+        for ds, inc in known.items():
+            for doc in (await asyncio.to_thread(self._done, ds))[-keep:]:
+                try:
+                    files = [(str(v), int(n)) for v, n in doc.get("versions") or ()]
+                except (TypeError, ValueError):
+                    continue  # a line this version did not write
+                if files:
+                    self.keeper.restore(ds, str(doc.get("commit")), files, inc.block_size)
+
     # -- to the hub --------------------------------------------------------------------------
     async def run(self) -> None:
         """Forever: send what is whole here to the hub, then the commits whose files all are."""
+        await self._repin()
         pause = IDLE
         while True:
             try:
@@ -411,8 +439,7 @@ class WriteBack:
         go."""
         sent = journal.with_suffix(".sent")
         if sent.exists() and await self._landed(ds, ups):
-            await asyncio.to_thread(self._published, ds, inc, journal, ups,
-                                    {"id": None, "recovered": True})
+            await self._publish(ds, inc, journal, ups, {"id": None, "recovered": True})
             return
         held = await asyncio.to_thread(lambda: [inc.upload(u.path) for u in ups])
         if any(h is None or (h.version, h.identity) != (u.version, u.identity)
@@ -443,6 +470,15 @@ class WriteBack:
             else:
                 await asyncio.to_thread(self._failed, inc, journal, ups, str(exc))
                 return
+        await self._publish(ds, inc, journal, ups, doc)
+
+    async def _publish(self, ds: str, inc: Incoming, journal: Path, ups: list[Upload],
+                       doc: dict[str, Any]) -> None:
+        """The hub published the commit: its files into the cache (``keeper``), then the
+        local copies go. Whole again after a crash between the two (the hub is asked first)."""
+        if self.keeper is not None:
+            await self.keeper.published(ds, journal.stem, inc.block_size, ups,
+                                        {u.path: inc.dir / f"{_key(u.path)}.part" for u in ups})
         await asyncio.to_thread(self._published, ds, inc, journal, ups, doc)
 
     async def _committing(self, ds: str, ups: list[Upload]) -> bool:
@@ -467,7 +503,9 @@ class WriteBack:
                    doc: dict[str, Any]) -> None:
         line = json.dumps({"commit": journal.stem, "snapshot": doc.get("id"),
                            "files": len(ups), "bytes": sum(u.size for u in ups),
-                           "paths": [u.path for u in ups][:1000], "at": time.time()})
+                           "paths": [u.path for u in ups][:1000], "at": time.time(),
+                           # what the keeper pins again after a restart (spoke.kept)
+                           "versions": [[u.version, u.size] for u in ups]})
         with open(self.root / ds / "done.jsonl", "a") as f:
             f.write(line + "\n")
             f.flush()
