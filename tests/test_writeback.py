@@ -17,7 +17,7 @@ import urllib3
 from servers import ServerProcess, free_port, hub, spoke
 from spokefs.client.sync import Client
 from spokefs.client.uploads import Uploader
-from spokefs.errors import Forbidden, NoSpace
+from spokefs.errors import Conflict, Forbidden, NoSpace
 from spokefs.wire.headers import H_SIZE, H_VERSION
 
 BLOCK = 64 * 1024
@@ -217,6 +217,23 @@ def test_unsafe_bytes_past_the_quota_are_refused_and_kept(tmp_path: Path) -> Non
         up.put("b.pt", b)  # room again once the hub took it
     finally:
         site.close()
+
+
+def test_a_commit_the_hub_would_refuse_is_refused_at_once(site: Site, tmp_path) -> None:
+    """A path the hub's dataset has (``old.pt``), or one under a file of it: 409 from the
+    spoke, before anything is journalled, not 202 and a failure later."""
+    f = tmp_path / "x"
+    f.write_bytes(b"new bytes\n")
+    up = site.writer()
+    for path, why in (("old.pt", "exists in the dataset at the hub"),
+                      ("old.pt/inner", "is a file in the dataset at the hub")):
+        up.put(path, f)
+        with pytest.raises(Conflict, match=why):
+            up.commit(paths=[path])
+    doc = up.writeback()
+    assert doc["commits"] == [] and doc["failed"] == []
+    assert sorted(u["path"] for u in doc["uploads"]) == ["old.pt", "old.pt/inner"]
+    assert (site.ckpt / "old.pt").read_bytes() == b"before\n"
 
 
 def test_a_read_only_dataset_takes_no_writes_at_the_spoke(site: Site, tmp_path) -> None:

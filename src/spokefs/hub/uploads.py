@@ -348,11 +348,13 @@ class Incoming:
             raise Conflict(f"{self.dir} is on another filesystem than {self.root}: a commit "
                            "links uploads into place, which cannot cross filesystems")
 
-    def prepare(self, paths: list[str] | None, prefix: str | None) -> tuple[Path, list[str]]:
+    def prepare(self, paths: list[str] | None, prefix: str | None,
+                refuse: Callable[[str], str | None] | None = None) -> tuple[Path, list[str]]:
         """A commit's journal, written durably, for the whole uploads named (``paths``) or
         under ``prefix``. Conflict when one is not whole, is being received or committed,
         or its path is taken (or a folder on its way is not a folder); the ledger's next
-        scan (``place``) publishes it."""
+        scan (``place``) publishes it. ``refuse``: why a path is taken elsewhere (a spoke asks
+        its hub's latest snapshot), or None."""
         held = {u.path: u for u in (self._meta(m.stem) for m in self.dir.glob("*.json"))
                 if u is not None} if self.dir.is_dir() else {}
         if paths is not None:
@@ -386,6 +388,9 @@ class Incoming:
                     raise Conflict(f"{u.path!r} is not received whole yet "
                                    f"({self._received(_key(u.path))} of {u.size} bytes)")
                 self._check_free(u)
+                why = refuse(u.path) if refuse is not None else None
+                if why is not None:
+                    raise Conflict(why)
             for u in chosen:  # "a" and "a/b" cannot both be files
                 parts = u.path.split("/")
                 for i in range(1, len(parts)):

@@ -34,7 +34,7 @@ import logging
 import os
 import threading
 import time
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
 from pathlib import Path
 from typing import Any
 from urllib.parse import quote
@@ -69,6 +69,7 @@ EXPIRE_EVERY = 3600.0    # seconds between drops of uploads no commit took for a
 IDLE = 2.0               # seconds between looks for work when none was signalled
 BACKOFF_MOST = 30.0      # seconds between tries while the hub is unreachable
 SENDS_AT_ONCE = 4        # uploads to the hub in flight at once
+CHECK_TIMEOUT = 5.0      # seconds a commit waits for the hub's latest snapshot to check it
 WRITE_TIMEOUT = 900.0    # seconds an upload's answer may take: the hub reads the file back
 
 
@@ -229,10 +230,38 @@ class WriteBack:
         """The commit journalled here (durably); the hub gets it once its files are whole
         there. 202's document: what it names and how much is left to send."""
         inc = await self.incoming(ds)
-        journal, chosen = await asyncio.to_thread(inc.prepare, paths, prefix)
+        taken = await self._taken_at_hub(ds)
+        journal, chosen = await asyncio.to_thread(inc.prepare, paths, prefix, taken)
         self._wake.set()
         return {"dataset": ds, "commit": journal.stem, "committed": chosen, "safe": False,
                 "state": "local"}
+
+    async def _taken_at_hub(self, ds: str) -> Callable[[str], str | None] | None:
+        """Why a path cannot be committed, by the hub's latest snapshot: a commit the hub
+        would refuse is refused now (409), not answered 202 and failed later. None when the
+        hub cannot say within ``CHECK_TIMEOUT`` (the hub decides when the commit reaches it)."""
+        try:
+            m = await asyncio.wait_for(asyncio.shield(self.metadata.latest_manifest(ds)),
+                                       CHECK_TIMEOUT)
+        except (Transient, UpstreamUnavailable, NotFound, TimeoutError):
+            return None
+        if m is None:
+            return None
+        files, folders = set(m.paths), set(m.dirs)
+
+        def taken(path: str) -> str | None:
+            if path in files:
+                return (f"{path!r} exists in the dataset at the hub already (snapshot "
+                        f"{m.snapshot}); a writable dataset only grows (write a new path)")
+            if path in folders:
+                return f"{path!r} is a folder in the dataset at the hub"
+            parts = path.split("/")
+            for i in range(1, len(parts)):
+                if "/".join(parts[:i]) in files:
+                    return f"{'/'.join(parts[:i])!r} is a file in the dataset at the hub"
+            return None
+
+        return taken
 
     async def listing(self, ds: str) -> dict[str, Any]:
         inc = await self.incoming(ds)
