@@ -1,6 +1,7 @@
-"""``spokefs bench checkpoint`` at a tiny size: every save runs (local, through a spoke,
-straight to the hub, a spoke killed after the save), results.json has the figures the issue
-asks for, and the kill loses nothing."""
+"""``spokefs bench checkpoint`` at a tiny size: every save runs (local, through a writable
+mount, through ``spokefs://``, straight to the hub, a spoke killed after the save), every
+restore reads every byte right (local, through a fresh tier member, through the hub),
+results.json has the figures the issue asks for, and the kill loses nothing."""
 
 from __future__ import annotations
 
@@ -25,11 +26,19 @@ def test_bench_checkpoint_tiny(tmp_path: Path) -> None:
     doc = json.loads((out / "results.json").read_text())
     for f in FIGURES:
         assert f in doc, f
-    assert set(doc["saves"]) == {"local", "spoke", "hub", "crash"}
-    assert doc["lost_bytes"] == 0
-    assert doc["saves"]["spoke"]["safe_s"] >= doc["saves"]["spoke"]["seconds"] > 0
+    assert set(doc["saves"]) == {"local", "mount", "fsspec", "hub", "crash"}
+    assert set(doc["restores"]) == {"local", "tier", "hub"}
+    assert doc["lost_bytes"] == 0 and doc["restore_wrong_bytes"] == 0
+    for name in ("mount", "fsspec"):
+        assert doc["saves"][name]["safe_s"] >= doc["saves"][name]["seconds"] > 0
+    for r in doc["restores"].values():  # every shard read whole
+        assert r["bytes"] == 2 << 20 and r["seconds"] > 0
+    # The tier member took the checkpoint from the writing spoke's cache, not over the
+    # link (a manifest's bytes at most); the lone fresh spoke fetched it all from the hub.
+    assert doc["restores"]["tier"]["wan_bytes"] < (2 << 20) // 4
+    assert doc["restores"]["hub"]["wan_bytes"] >= 2 << 20
     # Every shard of every save through spokefs is at the hub, as written.
-    for step in ("step-1", "step-2", "step-3"):
+    for step in ("step-1", "step-2", "step-3", "step-4"):
         folder = tmp_path / "work" / "ckpt" / step
         for rank in range(2):
             shard = folder / f"__{rank}_0.distcp"

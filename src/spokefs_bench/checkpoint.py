@@ -1,38 +1,53 @@
 """``spokefs bench checkpoint``: a sharded checkpoint saved near the compute, safe at the hub
-soon after.
+soon after, and restored on a fresh node.
 
 One hub with a writable dataset behind ``spokefs wan`` (60 ms, 200 MB/s by default), one
-spoke in front of the link. W writer processes (8) each write one shard of a --size
-checkpoint (2 GiB in all) and close it, as torch.distributed.checkpoint's ranks do; then
-the coordinator writes ``.metadata`` and the folder is committed. The shards' bytes are made
-before the clock starts. Saves, each timed from the writers' start until the save returns:
+spoke in front of the link (a member of a two-member tier whose other member starts later).
+W writer processes (8) each write one shard of a --size checkpoint (2 GiB in all), fsync and
+close it, as torch.distributed.checkpoint's ranks do; then the coordinator writes
+``.metadata.tmp`` and renames it to ``.metadata``, which commits the folder. The shards'
+bytes are made before the clock starts. Saves, each timed from the writers' start until the
+save returns:
 
-  local    to a local folder (each shard fsynced): the baseline
-  spoke    to the spoke, ``spokefs://`` (``spokefs.client.writer``): returns once the spoke
-           holds every byte durably and the commit is journalled there; then the time until
+  local    to a local folder: the baseline
+  mount    through ``spokefs mount URL/ckpt MP --writable`` on the spoke: each close returns
+           once the spoke holds the shard durably, the rename commits; then the time until
            the hub has published it (``wait_safe``), against the link's floor
-           (bytes / bandwidth + RTT)
-  hub      straight to the hub over the link: returns once published there
-  crash    to the spoke, which is killed (-9) as soon as the save returns, started again:
-           every byte written must be published at the hub (``lost_bytes``)
+           (bytes / bandwidth + RTT). Without FUSE here: skipped, and ``fsspec`` stands in.
+  fsspec   to the spoke through ``spokefs://`` (``spokefs.client.writer``), the same way
+  hub      straight to the hub over the link (``spokefs://``): returns once published there
+  crash    to the spoke (``spokefs://``), which is killed (-9) as soon as the save returns
+           and started again: every byte written must be published at the hub
+           (``lost_bytes``)
 
-Figures (docs/benchmark.md, "Checkpoints"): ``save_block_ratio_local`` (spoke / local; goal
+Restores of the mount's checkpoint on a fresh node, W readers each reading one shard whole,
+every byte checked (the page cache of every copy dropped first):
+
+  local    the local save, from local disk: the baseline
+  tier     through a fresh spoke (an empty cache) that joins the writing spoke's tier: the
+           writing spoke kept the checkpoint in its cache when the hub published it, and
+           the new member takes it over the local network (the tier's handoff)
+  hub      through a fresh spoke of its own, over the link
+
+Figures (docs/benchmark.md, "Checkpoints"): ``save_block_ratio_local`` (mount / local; goal
 <= 1.1), ``safe_at_hub_ratio_floor`` (goal <= 1.1), ``save_hub_ratio_local``,
-``lost_bytes`` (goal 0). CPU-seconds of every process (writers, spoke, wan, hub) per save.
-Not measured yet, reported as null with why: ``restore_tier_ratio_local`` and
+``restore_tier_ratio_local`` (goal <= 1.3), ``restore_hub_ratio_local``, ``lost_bytes``
+(goal 0) and ``restore_wrong_bytes`` (0). CPU-seconds of every process (writers, spoke,
+wan, hub, mount, readers) per save and restore. Not measured yet, reported as null with why:
 ``resume_batches``. Writes DIR/results.json and DIR/checkpoint.png, and prints a table.
 """
-
 from __future__ import annotations
 
 import argparse
 import contextlib
 import hashlib
+import json
 import multiprocessing
 import os
 import queue
 import random
 import shutil
+import subprocess
 import tempfile
 import threading
 import time
@@ -40,13 +55,17 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import urllib3
+import xxhash
+
 from spokefs.units import format_size, parse_duration, parse_rate, parse_size
 from spokefs.wan.cli import _arg
-from spokefs_bench.common import have_matplotlib, machine, table, write_json
+from spokefs_bench.common import free_port, have_matplotlib, machine, table, write_json
 from spokefs_bench.dataplane import tree_cpu
 
 GOAL_BLOCK = 1.1   # a save to the spoke blocks at most this x the same save to local disk
 GOAL_SAFE = 1.1    # safe at the hub within this x the link's floor
+GOAL_RESTORE = 1.3  # a restore through a tier member within this x reading local disk
 METADATA = ".metadata"
 
 
@@ -177,81 +196,248 @@ def _save(target: str, writers: int, size: int, staging: Path) -> dict[str, Any]
             "bytes": each * writers}
 
 
+# -- restores --------------------------------------------------------------------------------
+def _uncache(root: Path) -> None:
+    """Every file under ``root`` out of the page cache (written back first), so a restore
+    reads disk as a fresh node would."""
+    for path in root.rglob("*"):
+        if path.is_file() and not path.is_symlink():
+            with contextlib.suppress(OSError):
+                fd = os.open(path, os.O_RDONLY)
+                try:
+                    os.fsync(fd)
+                    os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+                finally:
+                    os.close(fd)
+
+
+def _digest(rank: int, size: int) -> bytes:
+    return xxhash.xxh3_128_digest(_shard(rank, size))
+
+
+def _restore(where: str, names: list[str], want: list[bytes]) -> dict[str, Any]:
+    """Every shard read whole by a thread of its own (a rank), from a folder or through a
+    spoke (``http://...``), and checked: seconds, bytes, bytes read wrong, readers' CPU."""
+    wrong = [0] * len(names)
+    sizes = [0] * len(names)
+    start = threading.Barrier(len(names) + 1)
+
+    def one(i: int) -> None:
+        h = xxhash.xxh3_128()
+        start.wait()
+        if where.startswith("http"):
+            pool = urllib3.PoolManager(retries=False, maxsize=1, timeout=600)
+            r = pool.request("GET", f"{where}/{names[i]}", preload_content=False)
+            if r.status == 200:
+                for piece in r.stream(4 << 20):
+                    h.update(piece)
+                    sizes[i] += len(piece)
+            r.release_conn()
+        else:
+            with open(Path(where) / names[i], "rb", buffering=0) as f:
+                while piece := f.read(4 << 20):
+                    h.update(piece)
+                    sizes[i] += len(piece)
+        wrong[i] = 0 if h.digest() == want[i] else max(sizes[i], 1)
+
+    threads = [threading.Thread(target=one, args=(i,)) for i in range(len(names))]
+    for t in threads:
+        t.start()
+    c0 = _cpu()
+    start.wait()
+    t0 = time.monotonic()
+    for t in threads:
+        t.join()
+    return {"seconds": round(time.monotonic() - t0, 3), "bytes": sum(sizes),
+            "wrong_bytes": sum(wrong), "reader_cpu_s": round(_cpu() - c0, 3)}
+
+
+def _wan_down(wan: Any) -> int:
+    """Bytes the link carried towards the spokes so far."""
+    r = urllib3.request("GET", f"{wan.control}/status", timeout=10)
+    return int(json.loads(r.data)["bytes_down"])
+
+
+# -- the mount -------------------------------------------------------------------------------
+@contextlib.contextmanager
+def _writable_mount(url: str, mp: Path, log: Path) -> Iterator[Path | None]:
+    """``spokefs mount URL MP --writable`` (None, with why printed, where FUSE is not usable
+    here), unmounted after."""
+    from spokefs.mount.process import fuse_unusable, unmount
+    from spokefs.procs import cli
+
+    why = fuse_unusable(need_pyfuse3=False)
+    if why is not None:
+        print(f"mount: skipped ({why}); the spokefs:// save stands in", flush=True)
+        yield None
+        return
+    mp.mkdir(parents=True, exist_ok=True)
+    r = subprocess.run(cli("mount", url, str(mp), "--writable", "--log-file", str(log)),
+                       capture_output=True, text=True, timeout=120, check=False)
+    if r.returncode != 0 or not os.path.ismount(mp):
+        with contextlib.suppress(OSError):
+            unmount(mp)
+        raise SystemExit(f"spokefs mount --writable failed (exit {r.returncode}): "
+                         f"{(r.stderr or r.stdout).strip()[-400:]}")
+    try:
+        yield mp
+    finally:
+        subprocess.run(cli("umount", str(mp)), capture_output=True, timeout=60, check=False)
+        with contextlib.suppress(OSError):
+            unmount(mp)
+
+
+def _mount_pid(mp: Path) -> int | None:
+    """The mount daemon's pid (its CPU counts), from the processes whose command names
+    ``mp``."""
+    for d in Path("/proc").iterdir():
+        if d.name.isdigit():
+            with contextlib.suppress(OSError):
+                cmd = (d / "cmdline").read_bytes().split(b"\0")
+                if b"mount" in cmd and str(mp).encode() in cmd and b"spokefs.cli" in cmd:
+                    return int(d.name)
+    return None
+
+
 # -- the run ---------------------------------------------------------------------------------
 def _bench(args: argparse.Namespace, work: Path) -> dict[str, Any]:
     from spokefs.checkpoint import wait_safe
     from spokefs.procs import Service, hub_args, spoke_args
 
-    for d in ("ckpt", "hubstate", "cache", "local", "staging"):
+    for d in ("ckpt", "hubstate", "cache", "cache-tier", "cache-hub", "local", "staging",
+              "mnt", "logs"):
         shutil.rmtree(work / d, ignore_errors=True)
-    (work / "ckpt").mkdir()
-    (work / "staging").mkdir()
+    for d in ("ckpt", "staging", "logs"):
+        (work / d).mkdir()
     floor = args.size / args.bandwidth + args.rtt
+    # Room for the two commits kept pinned (at most half the cache), and then some.
+    cache_size = str(4 * args.size + (256 << 20))
     saves: dict[str, dict[str, Any]] = {}
+    restores: dict[str, dict[str, Any]] = {}
     lost = 0
+    each = args.size // args.writers
+    names = [f"__{r}_0.distcp" for r in range(args.writers)]
+    ports = [free_port(), free_port()]
+    tier = ",".join(f"http://127.0.0.1:{p}" for p in ports)
     with contextlib.ExitStack() as stack:
         hub = Service([*hub_args(work / "ckpt", work / "hubstate"), "--writable", "ckpt"])
         stack.enter_context(hub.start(timeout=600))
         wan = Service(["wan", "--upstream", hub.hostport, "--rtt", f"{args.rtt}s",
                        "--bandwidth", f"{args.bandwidth}B/s"])
         stack.enter_context(wan.start())
-        spoke = Service(spoke_args(wan.url, work / "cache", "1GiB", 0))
+
+        def writing_spoke() -> Service:
+            return Service(spoke_args(wan.url, work / "cache", cache_size, ports[0],
+                                      "--tier", tier),
+                           log_path=work / "logs" / "spoke.log")
+
+        spoke = writing_spoke()
         stack.enter_context(spoke.start())
-        procs = {"hub": hub, "wan": wan, "spoke": spoke}
+        procs: dict[str, Any] = {"hub": hub, "wan": wan, "spoke": spoke}
+        mount_pid: list[int | None] = [None]
 
         def cpu() -> dict[str, float]:
-            return {k: sum(tree_cpu(s.proc.pid)) if s.proc else 0.0 for k, s in procs.items()}
+            out = {k: sum(tree_cpu(s.proc.pid)) if s.proc else 0.0 for k, s in procs.items()}
+            if mount_pid[0] is not None:
+                out["mount"] = sum(tree_cpu(mount_pid[0]))
+            return out
 
         def timed(name: str, target: str) -> dict[str, Any]:
             c0 = cpu()
             r = _save(target, args.writers, args.size, work / "staging")
             c1 = cpu()
-            r["cpu_s"] = {k: round(c1[k] - c0[k], 3) for k in c0}
+            r["cpu_s"] = {k: round(c1[k] - c0.get(k, 0.0), 3) for k in c1}
             saves[name] = r
-            print(f"{name}: saved {format_size(r['bytes'])} in {r['seconds']:.2f}s",
-                  flush=True)
+            print(f"save {name}: {format_size(r['bytes'])} in {r['seconds']:.2f}s", flush=True)
             return r
+
+        def safe(name: str, step: str, t0: float) -> None:
+            if not wait_safe(f"{spoke.url}/ckpt/{step}", timeout=3600):
+                raise SystemExit(f"{step} was not safe at the hub within an hour")
+            saves[name]["safe_s"] = round(time.monotonic() - t0, 3)
 
         timed("local", str(work / "local" / "step-0"))
         host = spoke.hostport
+        restored = "step-1"  # the checkpoint the restores read: the mount's, else fsspec's
+        with _writable_mount(f"{spoke.url}/ckpt", work / "mnt", work / "logs" / "mount.log"
+                             ) as mp:
+            if mp is not None:
+                mount_pid[0] = _mount_pid(mp)
+                t0 = time.monotonic()
+                timed("mount", str(mp / "step-1"))
+                safe("mount", "step-1", t0)
+                mount_pid[0] = None
+            else:
+                restored = "step-4"
         t0 = time.monotonic()
-        timed("spoke", f"spokefs://{host}/ckpt/step-1")
-        if not wait_safe(f"{spoke.url}/ckpt/step-1", timeout=3600):
-            raise SystemExit("step-1 was not safe at the hub within an hour")
-        saves["spoke"]["safe_s"] = round(time.monotonic() - t0, 3)
+        timed("fsspec", f"spokefs://{host}/ckpt/step-4")
+        safe("fsspec", "step-4", t0)
         timed("hub", f"spokefs://{wan.hostport}/ckpt/step-2")
         # The crash: the spoke killed as soon as the save returned, then started again.
         timed("crash", f"spokefs://{host}/ckpt/step-3")
         spoke.kill()
-        spoke = Service(spoke_args(wan.url, work / "cache", "1GiB", spoke.port))
+        spoke = writing_spoke()
         stack.enter_context(spoke.start())
         procs["spoke"] = spoke
         if not wait_safe(f"{spoke.url}/ckpt/step-3", timeout=3600):
             raise SystemExit("step-3 was not safe at the hub within an hour of the restart")
-        each = args.size // args.writers
-        for r in range(args.writers):
-            path = work / "ckpt" / "step-3" / f"__{r}_0.distcp"
+        for r, name in enumerate(names):
+            path = work / "ckpt" / "step-3" / name
             want = hashlib.sha256(_shard(r, each)).digest()
             got = hashlib.sha256(path.read_bytes()).digest() if path.exists() else b""
             lost += 0 if got == want else each
-    local, via = saves["local"]["seconds"], saves["spoke"]
+
+        # Restores on a fresh node: every copy read from disk, not the page cache.
+        want = [_digest(r, each) for r in range(args.writers)]
+        fresh = {
+            "tier": Service(spoke_args(wan.url, work / "cache-tier", cache_size, ports[1],
+                                       "--tier", tier),
+                            log_path=work / "logs" / "spoke-tier.log"),
+            "hub": Service(spoke_args(wan.url, work / "cache-hub", cache_size, 0),
+                           log_path=work / "logs" / "spoke-hub.log")}
+
+        def restore(name: str, where: str, reader: Service | None) -> None:
+            for d in ("local", "cache"):
+                _uncache(work / d)
+            if reader is not None:
+                procs["fresh_spoke"] = reader
+            c0, w0 = cpu(), _wan_down(wan)
+            r = _restore(where, names, want)
+            c1 = cpu()
+            r["wan_bytes"] = _wan_down(wan) - w0  # what crossed the link for it
+            procs.pop("fresh_spoke", None)
+            r["cpu_s"] = {k: round(c1[k] - c0.get(k, 0.0), 3) for k in c1}
+            restores[name] = r
+            print(f"restore {name}: {format_size(r['bytes'])} in {r['seconds']:.2f}s, "
+                  f"{r['wrong_bytes']} bytes wrong", flush=True)
+
+        restore("local", str(work / "local" / "step-0"), None)
+        for name, svc in fresh.items():
+            stack.enter_context(svc.start())
+            restore(name, f"{svc.url}/ckpt/{restored}", svc)
+    local, via = saves["local"]["seconds"], saves.get("mount") or saves["fsspec"]
+    back = restores["local"]["seconds"]
     return {
         "benchmark": "checkpoint", "machine": machine(),
         "params": {"size": args.size, "writers": args.writers, "rtt_s": args.rtt,
                    "bandwidth": args.bandwidth},
-        "saves": saves, "floor_s": round(floor, 3),
+        "saves": saves, "restores": restores, "restored": restored,
+        "floor_s": round(floor, 3),
         "save_block_ratio_local": round(via["seconds"] / local, 3),
         "safe_at_hub_ratio_floor": round(via["safe_s"] / floor, 3),
         "save_hub_ratio_local": round(saves["hub"]["seconds"] / local, 3),
+        "restore_tier_ratio_local": round(restores["tier"]["seconds"] / back, 3),
+        "restore_hub_ratio_local": round(restores["hub"]["seconds"] / back, 3),
         "lost_bytes": lost,
-        "restore_tier_ratio_local": None, "resume_batches": None,
+        "restore_wrong_bytes": sum(r["wrong_bytes"] for r in restores.values()),
+        "resume_batches": None,
         "not_measured": {
-            "restore_tier_ratio_local": "restore through a tier member: not in this cut",
             "resume_batches": "a job killed mid-epoch and restarted from its checkpoint: "
                               "not in this cut (the sampler's resume is tested in "
                               "tests/test_torch.py)"},
         "goals": {"save_block_ratio_local": GOAL_BLOCK, "safe_at_hub_ratio_floor": GOAL_SAFE,
-                  "lost_bytes": 0},
+                  "restore_tier_ratio_local": GOAL_RESTORE, "lost_bytes": 0,
+                  "restore_wrong_bytes": 0},
     }
 
 
@@ -260,13 +446,24 @@ def _print(doc: dict[str, Any]) -> None:
     for name, r in doc["saves"].items():
         cpu = r["cpu_s"]
         rows.append([name, r["seconds"], r.get("safe_s", ""), r["writer_cpu_s"],
-                     cpu["spoke"], cpu["wan"], cpu["hub"]])
-    print(table(rows, ["save", "blocks s", "safe at hub s", "writers CPU-s", "spoke CPU-s",
-                       "wan CPU-s", "hub CPU-s"]))
+                     cpu.get("mount", ""), cpu["spoke"], cpu["wan"], cpu["hub"]])
+    print(table(rows, ["save", "blocks s", "safe at hub s", "writers CPU-s", "mount CPU-s",
+                       "spoke CPU-s", "wan CPU-s", "hub CPU-s"]))
+    rows = []
+    for name, r in doc["restores"].items():
+        cpu = r["cpu_s"]
+        rows.append([name, r["seconds"], format_size(r["wan_bytes"]), r["wrong_bytes"],
+                     r["reader_cpu_s"], cpu.get("fresh_spoke", ""), cpu["spoke"], cpu["wan"],
+                     cpu["hub"]])
+    print(table(rows, ["restore", "seconds", "over the link", "wrong bytes", "readers CPU-s",
+                       "fresh spoke CPU-s", "writing spoke CPU-s", "wan CPU-s", "hub CPU-s"]))
     print(f"save blocks {doc['save_block_ratio_local']}x the local save (goal <= {GOAL_BLOCK});"
           f" safe at the hub in {doc['safe_at_hub_ratio_floor']}x the link floor of "
           f"{doc['floor_s']}s (goal <= {GOAL_SAFE}); straight to the hub: "
           f"{doc['save_hub_ratio_local']}x; lost bytes after a kill -9: {doc['lost_bytes']}")
+    print(f"restore on a fresh node through a tier member: {doc['restore_tier_ratio_local']}x "
+          f"reading local disk (goal <= {GOAL_RESTORE}); through the hub: "
+          f"{doc['restore_hub_ratio_local']}x; bytes read wrong: {doc['restore_wrong_bytes']}")
 
 
 def _plot(doc: dict[str, Any], path: Path) -> None:
@@ -275,17 +472,22 @@ def _plot(doc: dict[str, Any], path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    fig, (ax, bx) = plt.subplots(1, 2, figsize=(10, 3.5))
     names = list(doc["saves"])
-    fig, ax = plt.subplots(figsize=(7, 3.5))
     ax.bar(names, [doc["saves"][n]["seconds"] for n in names], label="save blocks")
-    safe = doc["saves"]["spoke"].get("safe_s")
+    headline = "mount" if "mount" in doc["saves"] else "fsspec"
+    safe = doc["saves"][headline].get("safe_s")
     if safe is not None:
-        ax.bar(["spoke: safe"], [safe], color="tab:green", label="safe at the hub")
+        ax.bar([f"{headline}: safe"], [safe], color="tab:green", label="safe at the hub")
     ax.axhline(doc["floor_s"], color="grey", linestyle="--", label="link floor")
     ax.set_ylabel("seconds")
-    ax.set_title(f"{format_size(doc['params']['size'])} checkpoint, "
+    ax.set_title(f"save: {format_size(doc['params']['size'])}, "
                  f"{doc['params']['writers']} writers")
     ax.legend()
+    names = list(doc["restores"])
+    bx.bar(names, [doc["restores"][n]["seconds"] for n in names], color="tab:purple")
+    bx.set_title("restore on a fresh node")
+    bx.set_ylabel("seconds")
     fig.tight_layout()
     fig.savefig(path)
     plt.close(fig)

@@ -11,6 +11,7 @@ import json
 import os
 import platform
 import secrets
+import socket
 import statistics
 import tempfile
 from collections.abc import Callable, Iterator
@@ -80,6 +81,14 @@ class BenchTokens:
 
 
 PLOTS_HINT = "install spokefs[bench] for plots (pip install 'spokefs[bench]')"
+
+
+def free_port() -> int:
+    """A port on 127.0.0.1 free now, for a service that must know its URL before it starts
+    (a tier's members list each other)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
 
 
 def have_matplotlib() -> bool:

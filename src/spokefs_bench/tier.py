@@ -26,7 +26,6 @@ import contextlib
 import json
 import random
 import shutil
-import socket
 import tempfile
 import threading
 import time
@@ -39,7 +38,7 @@ import xxhash
 
 from spokefs.errors import ConfigError
 from spokefs.units import parse_duration, parse_rate, parse_size
-from spokefs_bench.common import have_matplotlib, machine, table, write_json
+from spokefs_bench.common import free_port, have_matplotlib, machine, table, write_json
 
 MIB = 1 << 20
 
@@ -134,12 +133,6 @@ def _make_dataset(root: Path, files: int, size: int) -> dict[str, bytes]:
     return digests
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def _wan(control: str, method: str, path: str) -> dict[str, Any]:
     req = urllib.request.Request(control.rstrip("/") + path, method=method,
                                  data=b"{}" if method == "POST" else None)
@@ -213,7 +206,7 @@ def _bench(p: dict[str, Any], work: Path) -> dict[str, Any]:
                        "--bandwidth", f"{p['bandwidth']}B/s"])
         stack.enter_context(wan.start())
         for n in p["counts"]:
-            ports = [_free_port() for _ in range(n)]
+            ports = [free_port() for _ in range(n)]
             urls = [f"http://127.0.0.1:{port}" for port in ports]
             spokes = []
             with contextlib.ExitStack() as tier:
