@@ -21,6 +21,7 @@ def test_bench_checkpoint_tiny(tmp_path: Path) -> None:
     out = tmp_path / "out"
     args = parser.parse_args(["checkpoint", "--out", str(out), "--size", "2MiB",
                               "--writers", "2", "--rtt", "2ms", "--bandwidth", "1GB/s",
+                              "--resume-samples", "160",
                               "--work-dir", str(tmp_path / "work")])
     assert args.func(args) == 0
     doc = json.loads((out / "results.json").read_text())
@@ -37,6 +38,12 @@ def test_bench_checkpoint_tiny(tmp_path: Path) -> None:
     # link (a manifest's bytes at most); the lone fresh spoke fetched it all from the hub.
     assert doc["restores"]["tier"]["wan_bytes"] < (2 << 20) // 4
     assert doc["restores"]["hub"]["wan_bytes"] >= 2 << 20
+    # The job killed mid-epoch resumed where its checkpoint was taken, on a fresh node,
+    # every sample right.
+    r = doc["restart"]
+    assert r["batches_per_epoch"] == 10 and r["killed_at_batch"] == 4
+    assert r["resumed_at_sample"] == 4 * 16
+    assert r["batches_after_restart"] == 10 - 4 and r["wrong_samples"] == 0
     # Every shard of every save through spokefs is at the hub, as written.
     for step in ("step-1", "step-2", "step-3", "step-4"):
         folder = tmp_path / "work" / "ckpt" / step

@@ -33,8 +33,10 @@ Figures (docs/benchmark.md, "Checkpoints"): ``save_block_ratio_local`` (mount / 
 <= 1.1), ``safe_at_hub_ratio_floor`` (goal <= 1.1), ``save_hub_ratio_local``,
 ``restore_tier_ratio_local`` (goal <= 1.3), ``restore_hub_ratio_local``, ``lost_bytes``
 (goal 0) and ``restore_wrong_bytes`` (0). CPU-seconds of every process (writers, spoke,
-wan, hub, mount, readers) per save and restore. Not measured yet, reported as null with why:
-``resume_batches``. Writes DIR/results.json and DIR/checkpoint.png, and prints a table.
+wan, hub, mount, readers) per save and restore. Then the restart (``spokefs_bench.resume``):
+a training job killed mid-epoch, restarted on a fresh node from its checkpoint's sampler
+state: ``resume_batches`` (goal <= 3; null, with why, without PyTorch or with
+--resume-samples 0). Writes DIR/results.json and DIR/checkpoint.png, and prints a table.
 """
 from __future__ import annotations
 
@@ -66,6 +68,7 @@ from spokefs_bench.dataplane import tree_cpu
 GOAL_BLOCK = 1.1   # a save to the spoke blocks at most this x the same save to local disk
 GOAL_SAFE = 1.1    # safe at the hub within this x the link's floor
 GOAL_RESTORE = 1.3  # a restore through a tier member within this x reading local disk
+GOAL_RESUME = 3     # batches to full speed after a restart on a fresh node
 METADATA = ".metadata"
 
 
@@ -81,6 +84,9 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="the link's round trip (default 60ms)")
     p.add_argument("--bandwidth", type=_arg(parse_rate), default=200e6, metavar="RATE",
                    help="the link's bandwidth (default 200MB/s)")
+    p.add_argument("--resume-samples", type=int, default=1600, metavar="N",
+                   help="samples of the dataset the restart figure trains on (default 1600, "
+                   "100 batches an epoch; 0: no restart figure)")
     p.add_argument("--work-dir", type=Path, default=None, metavar="DIR",
                    help="where the hub's folder, the spoke's cache and the local saves go "
                    "(default: a temporary folder, removed after)")
@@ -319,8 +325,15 @@ def _bench(args: argparse.Namespace, work: Path) -> dict[str, Any]:
     names = [f"__{r}_0.distcp" for r in range(args.writers)]
     ports = [free_port(), free_port()]
     tier = ",".join(f"http://127.0.0.1:{p}" for p in ports)
+    from spokefs_bench import resume
+
+    why_not = resume.unavailable() if args.resume_samples > 0 else "--resume-samples 0"
+    data = resume.dataset(args.resume_samples) if why_not is None else None
+    serve = ["--dataset", f"{data.spec.name}={data.root}"] if data is not None else []
+    restart: dict[str, Any] = {}
     with contextlib.ExitStack() as stack:
-        hub = Service([*hub_args(work / "ckpt", work / "hubstate"), "--writable", "ckpt"])
+        hub = Service([*hub_args(work / "ckpt", work / "hubstate"), "--writable", "ckpt",
+                       *serve])
         stack.enter_context(hub.start(timeout=600))
         wan = Service(["wan", "--upstream", hub.hostport, "--rtt", f"{args.rtt}s",
                        "--bandwidth", f"{args.bandwidth}B/s"])
@@ -415,6 +428,12 @@ def _bench(args: argparse.Namespace, work: Path) -> dict[str, Any]:
         for name, svc in fresh.items():
             stack.enter_context(svc.start())
             restore(name, f"{svc.url}/ckpt/{restored}", svc)
+        if data is not None:
+            from spokefs.client.sync import Client
+
+            snap = Client(hub.url).resolve(data.spec.name, "latest")
+            print("restart: a job killed mid-epoch, restarted on a fresh node", flush=True)
+            restart = resume.measure(data, wan.url, snap, work, work / "logs")
     local, via = saves["local"]["seconds"], saves.get("mount") or saves["fsspec"]
     back = restores["local"]["seconds"]
     return {
@@ -430,13 +449,11 @@ def _bench(args: argparse.Namespace, work: Path) -> dict[str, Any]:
         "restore_hub_ratio_local": round(restores["hub"]["seconds"] / back, 3),
         "lost_bytes": lost,
         "restore_wrong_bytes": sum(r["wrong_bytes"] for r in restores.values()),
-        "resume_batches": None,
-        "not_measured": {
-            "resume_batches": "a job killed mid-epoch and restarted from its checkpoint: "
-                              "not in this cut (the sampler's resume is tested in "
-                              "tests/test_torch.py)"},
+        "resume_batches": restart.get("resume_batches"), "restart": restart,
+        "not_measured": {"resume_batches": why_not} if why_not else {},
         "goals": {"save_block_ratio_local": GOAL_BLOCK, "safe_at_hub_ratio_floor": GOAL_SAFE,
-                  "restore_tier_ratio_local": GOAL_RESTORE, "lost_bytes": 0,
+                  "restore_tier_ratio_local": GOAL_RESTORE, "resume_batches": GOAL_RESUME,
+                  "lost_bytes": 0,
                   "restore_wrong_bytes": 0},
     }
 
@@ -464,6 +481,15 @@ def _print(doc: dict[str, Any]) -> None:
     print(f"restore on a fresh node through a tier member: {doc['restore_tier_ratio_local']}x "
           f"reading local disk (goal <= {GOAL_RESTORE}); through the hub: "
           f"{doc['restore_hub_ratio_local']}x; bytes read wrong: {doc['restore_wrong_bytes']}")
+    r = doc["restart"]
+    if r:
+        print(f"a job killed at batch {r['killed_at_batch']} of {r['batches_per_epoch']} and "
+              f"restarted on a fresh node: {r['resume_batches']} batches to full speed (goal "
+              f"<= {GOAL_RESUME}; warmed up: {r['warmed_up']}); utilisation "
+              f"{r['au_restarted']} against {r['au_local']} from local disk; the first "
+              f"batches waited {r['first_waits_s']} s; wrong samples: {r['wrong_samples']}")
+    else:
+        print(f"restart figure: not measured ({doc['not_measured'].get('resume_batches')})")
 
 
 def _plot(doc: dict[str, Any], path: Path) -> None:
