@@ -303,3 +303,35 @@ def test_warm_up_progress_and_eta_while_it_fills(browser: Any, ro_hub: ServerPro
         assert metrics(s.url)["spokefs_warm_done_blocks_total"] == len(files)
         assert errors == []
         page.close()
+
+
+def test_checkpoints_written_through_the_spoke(browser: Any, tmp_path: Path) -> None:
+    """The write-back card: an upload held at the spoke shows as not yet safe; once
+    committed and published, nothing is unsafe and the commit is pinned in the cache."""
+    from servers import hub
+    from spokefs.client.uploads import Uploader
+
+    ckpt = tmp_path / "ckpt"
+    ckpt.mkdir()
+    shard = tmp_path / "rank0.distcp"
+    shard.write_bytes(bytes(range(256)) * 1000)
+    with hub(ckpt, tmp_path / "hubstate", "--writable", "ckpt") as h, \
+            spoke(h.url, tmp_path / "cache", "64MiB", *ONE) as s:
+        page = browser.new_page(viewport={"width": 1440, "height": 900})
+        errors = watch_errors(page)
+        page.goto(f"{s.url}/ui/?every=0.3")
+        wait_polls(page, 1)
+        assert page.locator("#writeback").is_hidden()  # nothing written yet
+        up = Uploader(s.url, "ckpt", deadline=10)
+        up.put("step-1/rank0.distcp", shard)  # held here; no commit yet
+        row = '#writeback tr[data-dataset="ckpt"]'
+        wait_value(page, f"{row} .unsafe", shard.stat().st_size)
+        up.commit(prefix="step-1/")
+        assert up.wait_safe("step-1/", timeout=30)
+        wait_value(page, f"{row} .unsafe", 0)
+        wait_value(page, f"{row} .waiting", 0)
+        wait_value(page, "#wb-pinned", shard.stat().st_size)
+        wait_value(page, "#wb-sent", metrics(s.url)["spokefs_writeback_sent_bytes_total"])
+        keep_screenshot(page, tmp_path, "ui-writeback.png")
+        assert errors == []
+        page.close()

@@ -137,6 +137,7 @@
       fill: has(m, "spokefs_cache_capacity_bytes") && sum(m, "spokefs_cache_capacity_bytes") > 0
         ? sum(m, "spokefs_cache_bytes") / sum(m, "spokefs_cache_capacity_bytes") : null,
       warm, jobs,
+      sent: sum(m, "spokefs_writeback_sent_bytes_total"),
     });
     const now = hist[hist.length - 1].t;
     while (hist.length && hist[0].t < now - SPAN_S) hist.shift();
@@ -168,6 +169,7 @@
       const warm = renderWarm(status, now, ur);
       renderJobs(status, now, link);
       renderShares(status);
+      renderWriteback(m, now);
       renderWarmVerdict(warm);
       drawCacheChart();
       drawJobsChart(status);
@@ -421,6 +423,30 @@
       rows.push(row);
     }
     fillTable("shares", rows);
+  }
+
+  // Write-back (spoke/writeback.py): what was written here and is not yet safe at the hub.
+  function renderWriteback(m, now) {
+    show("wb-sent", now.sent, bytes(now.sent));
+    const r = perSecond(now, (s) => s.sent);
+    show("wb-rate", r, rate(r));
+    const pinned = has(m, "spokefs_writeback_pinned_bytes")
+      ? sum(m, "spokefs_writeback_pinned_bytes") : null;
+    show("wb-pinned", pinned, pinned == null ? "off (--keep-checkpoints 0)" : bytes(pinned));
+    const unsafe = byLabel(m, "spokefs_writeback_unsafe_bytes", "dataset");
+    const oldest = byLabel(m, "spokefs_writeback_oldest_unsafe_seconds", "dataset");
+    const waiting = byLabel(m, "spokefs_writeback_commits_waiting", "dataset");
+    const rows = [];
+    for (const ds of Object.keys(unsafe).sort()) {
+      const row = document.createElement("tr");
+      row.dataset.dataset = ds;
+      cell(row, ds, "name");
+      cell(row, bytes(unsafe[ds]), "unsafe", unsafe[ds]);
+      cell(row, oldest[ds] ? duration(oldest[ds]) : "–", "oldest", oldest[ds] || 0);
+      cell(row, count(waiting[ds] || 0), "waiting", waiting[ds] || 0);
+      rows.push(row);
+    }
+    fillTable("writeback", rows);
   }
 
   function renderDatasets(status) {
