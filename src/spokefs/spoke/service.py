@@ -140,6 +140,8 @@ class SpokeBackend:
         if config.keep_checkpoints > 0:
             self.writeback.keeper = Keeper(self.store, config.keep_checkpoints,
                                            config.keep_share)
+        queue = self.fetcher.queue  # a demand read in flight to the upstream: uploads yield
+        self.writeback.reads_waiting = lambda: queue.active > queue.prefetch_active
         self.registry.register(self.writeback)
         self.started = time.time()
 

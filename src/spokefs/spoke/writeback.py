@@ -22,8 +22,8 @@ hub is asked whether it landed before anything is sent again). The hub is the tr
 what it holds: after a restart, each upload resumes from the bytes the hub reports.
 
 ``SENDS_AT_ONCE`` uploads go to the hub at once (one TCP stream seldom fills a long link),
-oldest commit first; pacing them against the spoke's reads is not built yet
-(docs/checkpoints.md).
+oldest commit first. While readers wait on the upstream, each holds its next piece up to a
+second (``spoke.uploadpace``): reads keep priority, and a checkpoint still moves.
 """
 
 from __future__ import annotations
@@ -57,6 +57,7 @@ from spokefs.errors import (
 from spokefs.hub.uploads import Incoming, Placed, Upload, _key
 from spokefs.spoke.kept import Keeper
 from spokefs.spoke.metadata import Metadata
+from spokefs.spoke.uploadpace import UploadPacer
 from spokefs.wire.client import UpstreamClient
 from spokefs.wire.errors import error_for_transport, raise_for_status
 from spokefs.wire.headers import H_OFFSET, H_SIZE, H_VERSION
@@ -97,6 +98,10 @@ class WriteBack:
         # Published commits into this spoke's cache, the last ones pinned (spoke.kept); set
         # by the spoke's backend, None: a commit's local copies go once published.
         self.keeper: Keeper | None = None
+        # True while readers wait on the upstream: uploads hold their next piece a while
+        # (spoke.uploadpace); set by the spoke's backend.
+        self.reads_waiting: Callable[[], bool] = lambda: False
+        self.held_s = 0.0  # seconds uploads held a piece behind reads, in all
 
     # -- what is held ------------------------------------------------------------------------
     async def incoming(self, ds: str) -> Incoming:
@@ -185,6 +190,9 @@ class WriteBack:
         yield commits
         yield CounterMetricFamily("spokefs_writeback_sent_bytes", "Bytes this spoke uploaded "
                                   "to its hub (write-back)", value=self.sent_bytes)
+        yield CounterMetricFamily("spokefs_writeback_held_seconds", "Seconds uploads to the "
+                                  "hub held a piece back while readers waited on it",
+                                  value=self.held_s)
         if self.keeper is not None:
             yield CounterMetricFamily("spokefs_writeback_cached_bytes", "Bytes of published "
                                       "commits put into this spoke's cache from their local "
@@ -552,11 +560,15 @@ class WriteBack:
 
 
 async def _pieces(part: Path, offset: int, size: int, wb: WriteBack) -> AsyncIterator[bytes]:
-    """The part's bytes from ``offset``, a piece at a time, read off the event loop."""
+    """The part's bytes from ``offset``, a piece at a time, read off the event loop; each
+    piece held while readers wait on the upstream (``spoke.uploadpace``)."""
     f = await asyncio.to_thread(open, part, "rb")
+    pacer = UploadPacer()
     try:
         at = offset
         while at < size:
+            while (wait := pacer.hold(time.monotonic(), wb.reads_waiting())) > 0:
+                await asyncio.sleep(wait)
             piece = await asyncio.to_thread(os.pread, f.fileno(), min(PIECE, size - at), at)
             if not piece:
                 raise SpokeError(f"{part} is shorter than its upload: {at} of {size} bytes")
@@ -564,4 +576,5 @@ async def _pieces(part: Path, offset: int, size: int, wb: WriteBack) -> AsyncIte
             wb.sent_bytes += len(piece)
             yield piece
     finally:
+        wb.held_s += pacer.held_s
         f.close()
