@@ -6,6 +6,7 @@ snapshot's own files stay read-only. Real hub, spoke and mount processes on 127.
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import os
 import time
@@ -94,5 +95,52 @@ def test_writable_needs_a_writable_dataset(tmp_path: Path) -> None:
                 MountProcess(f"{site.spoke.url}/ro", mp, "--writable",
                              env={"SPOKEFS_TOKEN": WRITER}):
             pass
+    finally:
+        site.close()
+
+
+def test_a_mount_killed_mid_save_loses_no_closed_file(tmp_path: Path) -> None:
+    """kill -9 of the mount after two ranks closed their shards, before the commit marker:
+    nothing of the checkpoint is published (no half checkpoint), the two closed shards are
+    held at the spoke as written (close returned: acknowledged), and a commit sent later
+    publishes them whole."""
+    from spokefs.mount import sysfs
+    from spokefs.mount.process import unmount
+
+    site = Site(tmp_path)
+    site.start_hub()
+    site.start_spoke()
+    assert site.spoke is not None
+    mp = tmp_path / "mnt"
+    mp.mkdir()
+    shards = {f"__{i}_0.distcp": os.urandom(200_000 + i) for i in range(2)}
+    m = MountProcess(f"{site.spoke.url}/ckpt", mp, "--writable", "--engine", "native",
+                     env={"SPOKEFS_TOKEN": WRITER, "SPOKEFS_STAGING": str(tmp_path)})
+    try:
+        m.start()
+        (mp / "step-1").mkdir()
+        for name, data in shards.items():
+            with open(mp / "step-1" / name, "wb") as f:
+                f.write(data)
+        busy = os.open(mp / "step-1" / "__2_0.distcp", os.O_WRONLY | os.O_CREAT, 0o644)
+        os.write(busy, b"half")  # a rank mid-write when the mount dies
+        m.kill()
+        with contextlib.suppress(OSError):  # ENOTCONN: the session is gone
+            os.close(busy)
+    finally:
+        m.kill()
+        if sysfs.is_mounted(mp):
+            unmount(mp)
+    try:
+        assert not any(p.startswith("step-1/") for p in _published(site))
+        up = site.writer()
+        held = {u["path"]: u for u in up.writeback()["uploads"]}
+        assert sorted(held) == sorted(f"step-1/{n}" for n in shards)
+        assert all(u["whole"] for u in held.values())
+        up.commit(prefix="step-1/")
+        assert up.wait_safe("step-1/", timeout=30)
+        for name, data in shards.items():
+            assert (site.ckpt / "step-1" / name).read_bytes() == data
+        assert not (site.ckpt / "step-1" / "__2_0.distcp").exists()
     finally:
         site.close()
