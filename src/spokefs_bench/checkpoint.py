@@ -49,7 +49,6 @@ import os
 import queue
 import random
 import shutil
-import subprocess
 import tempfile
 import threading
 import time
@@ -62,7 +61,14 @@ import xxhash
 
 from spokefs.units import format_size, parse_duration, parse_rate, parse_size
 from spokefs.wan.cli import _arg
-from spokefs_bench.common import free_port, have_matplotlib, machine, table, write_json
+from spokefs_bench.common import (
+    free_port,
+    have_matplotlib,
+    machine,
+    spokefs_mount,
+    table,
+    write_json,
+)
 from spokefs_bench.dataplane import tree_cpu
 
 GOAL_BLOCK = 1.1   # a save to the spoke blocks at most this x the same save to local disk
@@ -269,28 +275,15 @@ def _wan_down(wan: Any) -> int:
 def _writable_mount(url: str, mp: Path, log: Path) -> Iterator[Path | None]:
     """``spokefs mount URL MP --writable`` (None, with why printed, where FUSE is not usable
     here), unmounted after."""
-    from spokefs.mount.process import fuse_unusable, unmount
-    from spokefs.procs import cli
+    from spokefs.mount.process import fuse_unusable
 
     why = fuse_unusable(need_pyfuse3=False)
     if why is not None:
         print(f"mount: skipped ({why}); the spokefs:// save stands in", flush=True)
         yield None
         return
-    mp.mkdir(parents=True, exist_ok=True)
-    r = subprocess.run(cli("mount", url, str(mp), "--writable", "--log-file", str(log)),
-                       capture_output=True, text=True, timeout=120, check=False)
-    if r.returncode != 0 or not os.path.ismount(mp):
-        with contextlib.suppress(OSError):
-            unmount(mp)
-        raise SystemExit(f"spokefs mount --writable failed (exit {r.returncode}): "
-                         f"{(r.stderr or r.stdout).strip()[-400:]}")
-    try:
+    with spokefs_mount(url, mp, log, "--writable"):  # RuntimeError, saying why, if not
         yield mp
-    finally:
-        subprocess.run(cli("umount", str(mp)), capture_output=True, timeout=60, check=False)
-        with contextlib.suppress(OSError):
-            unmount(mp)
 
 
 def _mount_pid(mp: Path) -> int | None:

@@ -13,6 +13,7 @@ import platform
 import secrets
 import socket
 import statistics
+import subprocess
 import tempfile
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -81,6 +82,29 @@ class BenchTokens:
 
 
 PLOTS_HINT = "install spokefs[bench] for plots (pip install 'spokefs[bench]')"
+
+
+@contextlib.contextmanager
+def spokefs_mount(url: str, mp: Path, log: Path, *extra: str) -> Iterator[None]:
+    """``spokefs mount URL MP [EXTRA...]`` (it returns once the mount works), ``spokefs
+    umount`` after. RuntimeError, with the mount's own words, when it does not mount."""
+    from spokefs.mount.process import unmount
+    from spokefs.procs import cli
+
+    mp.mkdir(parents=True, exist_ok=True)
+    r = subprocess.run(cli("mount", url, str(mp), "--log-file", str(log), *extra),
+                       capture_output=True, text=True, timeout=120, check=False)
+    if r.returncode != 0 or not os.path.ismount(mp):
+        with contextlib.suppress(OSError):
+            unmount(mp)
+        raise RuntimeError(f"spokefs mount {' '.join(extra)} failed (exit {r.returncode}): "
+                           f"{(r.stderr or r.stdout).strip()[-400:]}")
+    try:
+        yield
+    finally:
+        subprocess.run(cli("umount", str(mp)), capture_output=True, timeout=60, check=False)
+        with contextlib.suppress(OSError):
+            unmount(mp)
 
 
 def free_port() -> int:

@@ -423,8 +423,8 @@ def _rules(cfg: ContentionConfig, min_share: float) -> str:
 def _readers(cfg: ContentionConfig, st: Setup, spoke: Service, jobs: Sequence[str],
              tag: str) -> Iterator[dict[str, Opener]]:
     """Each job's opener on the spoke: HTTP, or a ``spokefs mount`` of its dataset."""
+    from spokefs_bench.common import spokefs_mount
     from spokefs_bench.training.openers import FileOpener, HttpOpener
-    from spokefs_bench.training.scenarios import spokefs_mount
 
     with contextlib.ExitStack() as stack:
         out: dict[str, Opener] = {}

@@ -22,12 +22,11 @@ accelerator utilisation stays within 5 points of the local run's over the same b
 from __future__ import annotations
 
 import contextlib
-import shutil
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
-from spokefs.procs import Service, spoke_args
+from spokefs.procs import Service
 from spokefs_bench.dataplane import tree_cpu
 
 KILL_AT = 0.4      # the share of the first epoch done when the job is killed
@@ -62,6 +61,7 @@ def measure(data: Any, upstream: str, snapshot: str, work: Path, logs: Path
     from spokefs_bench.training import metrics
     from spokefs_bench.training.loop import EpochSampler, LoopConfig, batches_per_epoch, run_loop
     from spokefs_bench.training.openers import FileOpener, HttpOpener
+    from spokefs_bench.training.scenarios import cold_spoke
 
     ix, name = data.index, data.spec.name
     cfg = LoopConfig(epochs=1)
@@ -87,13 +87,14 @@ def measure(data: Any, upstream: str, snapshot: str, work: Path, logs: Path
                                                          cfg.batch_size)
             raise _Killed
 
-    with _spoke(upstream, work / "cache-job", logs / "spoke-job.log") as spoke:
+    with cold_spoke(upstream, work / "cache-job", 4 << 30, logs / "spoke-job.log") as spoke:
         opener = HttpOpener(spoke.url, name, snapshot, "the job's spoke")
         with contextlib.suppress(_Killed):
             run_loop(ix, "files", opener, cfg, data.spec.classes,
                      wrap_sampler=announcing(spoke, None), on_batch=killed)
     state = saved["state"]
-    with _spoke(upstream, work / "cache-restart", logs / "spoke-restart.log") as spoke:
+    with cold_spoke(upstream, work / "cache-restart", 4 << 30,
+                    logs / "spoke-restart.log") as spoke:
         opener = HttpOpener(spoke.url, name, snapshot, "a fresh node's spoke")
         restarted = run_loop(ix, "files", opener, cfg, data.spec.classes,
                              wrap_sampler=announcing(spoke, state))
@@ -126,15 +127,3 @@ def measure(data: Any, upstream: str, snapshot: str, work: Path, logs: Path
             "wrong_samples": restarted.samples_wrong + local.samples_wrong,
             "restart_spoke_cpu_s": round(spoke_cpu, 3),
             "accelerator": cfg.describe_accelerator()}
-
-
-@contextlib.contextmanager
-def _spoke(upstream: str, cache: Path, log: Path) -> Iterator[Service]:
-    shutil.rmtree(cache, ignore_errors=True)
-    spoke = Service(spoke_args(upstream, cache, "4GiB", 0), log_path=log)
-    spoke.start()
-    try:
-        yield spoke
-    finally:
-        spoke.stop()
-        shutil.rmtree(cache, ignore_errors=True)

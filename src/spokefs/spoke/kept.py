@@ -156,12 +156,14 @@ class Keeper:
                 if want:
                     got = await asyncio.to_thread(_read_blocks, fd, want, up.size, block_size,
                                                   digests)
-                    await self._write_blocks(dataset, up, got)
+                    await self._write_blocks(dataset, up, got, digests)
         finally:
             os.close(fd)
 
     async def _write_blocks(self, dataset: str, up: Upload,
-                            got: list[tuple[int, bytes | None]]) -> None:
+                            got: list[tuple[int, bytes | None]], digests: list[bytes]) -> None:
+        """Blocks read and checked (``_read_blocks``) into the store; ``digests``: what each
+        was checked against, so nothing is hashed twice."""
         loop = asyncio.get_running_loop()
         self.store.set_object_size(up.version, up.size)  # what a replica's reads bound by
         waits: list[tuple[asyncio.Future[bool], int]] = []
@@ -175,7 +177,7 @@ class Keeper:
             if res is None:
                 continue  # resident already, or no room: readers fetch it as any block
             done: asyncio.Future[bool] = loop.create_future()
-            self.store.write(res, memoryview(data), integrity.block_digest(data),
+            self.store.write(res, memoryview(data), digests[j],
                              lambda kept, d=done: d.done() or d.set_result(kept))
             waits.append((done, len(data)))
         kept = await asyncio.gather(*(w for w, _ in waits))

@@ -24,7 +24,8 @@ from typing import Any
 from torch.utils.data import Sampler
 
 from spokefs.mount.process import MountError, fuse_unusable, unmount, wait_mounted
-from spokefs.procs import Service, cli, spoke_args
+from spokefs.procs import Service, spoke_args
+from spokefs_bench.common import spokefs_mount
 from spokefs_bench.training.datasets import BuiltDataset
 from spokefs_bench.training.loop import EpochSampler
 from spokefs_bench.training.openers import FileOpener, FsspecOpener, HttpOpener, Opener
@@ -98,25 +99,6 @@ def spoke_counters(spoke_url: str) -> tuple[float, float]:
         if name in found:
             found[name] = float(value)
     return found["spokefs_cache_hits_total"], found["spokefs_cache_misses_total"]
-
-
-@contextlib.contextmanager
-def spokefs_mount(url: str, mp: Path, log: Path) -> Iterator[None]:
-    """``spokefs mount URL MP`` (it returns once the mount works), ``spokefs umount`` after."""
-    mp.mkdir(parents=True, exist_ok=True)
-    r = subprocess.run(cli("mount", url, str(mp), "--log-file", str(log)),
-                       capture_output=True, text=True, timeout=120, check=False)
-    if r.returncode != 0 or not os.path.ismount(mp):
-        with contextlib.suppress(OSError):
-            unmount(mp)
-        raise RuntimeError(f"spokefs mount failed (exit {r.returncode}): "
-                           f"{(r.stderr or r.stdout).strip()[-400:]}")
-    try:
-        yield
-    finally:
-        subprocess.run(cli("umount", str(mp)), capture_output=True, timeout=60, check=False)
-        with contextlib.suppress(OSError):
-            unmount(mp)
 
 
 @contextlib.contextmanager
