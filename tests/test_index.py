@@ -283,3 +283,29 @@ def test_an_index_of_another_format_has_its_block_rows_dropped(tmp_path: Path) -
     again = BlockIndex.open(tmp_path)
     assert not again.old_format_dropped
     again.close()
+
+
+def test_a_fact_committed_soon_is_on_disk_before_the_next_commit_tick(tmp_path: Path) -> None:
+    # A dataset's newest state is committed as the worker's next job (kv_set(soon=True)),
+    # so a kill -9 just after it does not bring back an older one. With an hour between
+    # ticks only commit_soon can put it on disk within the wait.
+    from spokefs.cache.worker import StoreWorker
+    index = BlockIndex.open(tmp_path)
+    worker = StoreWorker(index, fsync=True, on_index_error=lambda exc: None,
+                         commit_every=3600.0)
+    worker.start()
+    try:
+        index.set_kv("dataset:ckpt", '{"latest": "s2"}')
+        worker.commit_soon()
+        other = block_index.connect(tmp_path / block_index.FILE)
+        deadline = time.monotonic() + 10
+        row = None
+        while row is None and time.monotonic() < deadline:
+            row = other.execute("SELECT value FROM kv WHERE key='dataset:ckpt'").fetchone()
+            if row is None:
+                time.sleep(0.01)
+        other.close()
+        assert row == ('{"latest": "s2"}',)
+    finally:
+        worker.close()
+        index.close()

@@ -3,7 +3,11 @@ without I/O, fed commits as the hub publishes them."""
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
 from spokefs.spoke.kept import Commit, LastN
+from spokefs.spoke.writeback import read_done
 
 
 def _commit(ds: str, name: str, blocks: int, size: int = 10) -> Commit:
@@ -44,3 +48,18 @@ def test_pins_stay_within_their_share_of_the_cache() -> None:
 
 def test_keep_zero_pins_nothing() -> None:
     assert LastN(keep=0, limit=100).published(_commit("a", "c1", 2)) == ([], [])
+
+
+def test_a_commit_recorded_twice_by_a_crash_is_listed_once_as_its_last_line(
+        tmp_path: Path) -> None:
+    # A spoke killed after done.jsonl's line but before the journal was retired publishes the
+    # commit again at restart (the hub has it already) and writes a second line; status and
+    # the re-pinning read each commit once, and a torn or foreign line is skipped.
+    done = tmp_path / "done.jsonl"
+    lines = [{"commit": "c1", "snapshot": "s1"}, {"commit": "c2", "snapshot": "s2"},
+             {"commit": "c1", "snapshot": "s1", "again": True}]
+    done.write_text("\n".join(json.dumps(x) for x in lines) + "\n[1]\n{\"commit\": \"c3\"")
+    got = read_done(done)
+    assert [d["commit"] for d in got] == ["c1", "c2"]
+    assert got[0].get("again") is True
+    assert read_done(tmp_path / "missing.jsonl") == []

@@ -132,6 +132,15 @@ def test_a_mount_killed_mid_save_loses_no_closed_file(tmp_path: Path) -> None:
         if sysfs.is_mounted(mp):
             unmount(mp)
     try:
+        left = list(tmp_path.glob("spokefs-mount-*"))
+        assert len(left) == 1  # kill -9: no clean-up ran
+        # The next writable mount on this node removes the dead one's staging folder, and
+        # keeps its own while it runs.
+        with MountProcess(f"{site.spoke.url}/ckpt", mp, "--writable", "--engine", "native",
+                          env={"SPOKEFS_TOKEN": WRITER, "SPOKEFS_STAGING": str(tmp_path)}):
+            now = list(tmp_path.glob("spokefs-mount-*"))
+            assert left[0] not in now and len(now) == 1
+        assert not list(tmp_path.glob("spokefs-mount-*"))
         assert not any(p.startswith("step-1/") for p in _published(site))
         up = site.writer()
         held = {u["path"]: u for u in up.writeback()["uploads"]}

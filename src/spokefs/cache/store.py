@@ -798,10 +798,15 @@ class BlockStore:
     def kv_get(self, key: str) -> str | None:
         return self._kv.get(key)
 
-    def kv_set(self, key: str, value: str) -> None:
+    def kv_set(self, key: str, value: str, soon: bool = False) -> None:
+        """Keep a small fact; ``soon``: committed as the worker's next job rather than within
+        its commit interval (a dataset's newest state, which a restart with the upstream
+        down serves from)."""
         if self._kv.get(key) != value:
             self._kv[key] = value
             self.index.set_kv(key, value)
+            if soon and self._worker is not None:
+                self._worker.commit_soon()
 
     def kv_delete(self, key: str) -> None:
         if self._kv.pop(key, None) is not None:

@@ -58,6 +58,11 @@ class StoreWorker:
         if self.fsync:
             self._dirty_fds.add(fd)
 
+    def commit_soon(self) -> None:
+        """Commit what is queued as the worker's next job, not at the next tick (a fact a
+        restart must find even after a kill -9 a moment later); does not wait."""
+        self._jobs.put(self._commit)
+
     def flush(self, timeout: float = 30.0) -> None:
         """Wait until every job submitted and every row queued so far is done and committed
         (not from the worker thread)."""

@@ -15,6 +15,7 @@ python. Which one, and why, is logged.
 from __future__ import annotations
 
 import asyncio
+import fcntl
 import logging
 import os
 import shutil
@@ -97,9 +98,49 @@ async def _writable(opts: MountOptions, source: UpstreamSource, dataset: str
         await asyncio.to_thread(up.check_writable)
     except SpokeError as exc:
         raise ConfigError(f"--writable: {exc}") from exc
-    staging = Path(tempfile.mkdtemp(prefix="spokefs-mount-", dir=staging_dir()))
+    sweep_staging(Path(staging_dir()))
+    staging = Path(tempfile.mkdtemp(prefix=STAGING_PREFIX, dir=staging_dir()))
     log.info("writable: new files are staged in %s until the spoke holds them", staging)
     return up, staging
+
+
+STAGING_PREFIX = "spokefs-mount-"
+STAGING_LOCK = ".owner.lock"
+
+
+def hold_staging(staging: Path) -> int:
+    """Lock ``staging`` for this process's life (the descriptor returned; close it after the
+    folder is removed). The kernel drops the lock when the process dies, however it dies, so
+    a later mount can tell a dead mount's folder from a live one in another PID namespace
+    sharing the same folder, which a pid could not."""
+    part = staging / f"{STAGING_LOCK}.part"
+    fd = os.open(part, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+    fcntl.flock(fd, fcntl.LOCK_EX)
+    part.rename(staging / STAGING_LOCK)  # visible to a sweep only once locked
+    return fd
+
+
+def sweep_staging(folder: Path) -> list[Path]:
+    """Remove the staging folders of writable mounts that died without cleaning up (kill -9,
+    a lost node); the ones removed. What such a folder holds is safe to drop: a file whose
+    close returned is held by the spoke, and one whose close did not was never acknowledged.
+    A folder without a lock file is left alone (made by another version, or mid-creation)."""
+    removed = []
+    for path in folder.glob(f"{STAGING_PREFIX}*"):
+        try:
+            fd = os.open(path / STAGING_LOCK, os.O_RDWR | os.O_CLOEXEC)
+        except OSError:
+            continue
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            continue  # held: its mount is alive
+        finally:
+            os.close(fd)
+        shutil.rmtree(path, ignore_errors=True)
+        log.info("writable: removed %s, left by a mount that is gone", path)
+        removed.append(path)
+    return removed
 
 
 def _drain(mount: object) -> None:
@@ -122,8 +163,10 @@ async def serve_native(opts: MountOptions, mountpoint: Path, source: UpstreamSou
         source.local = None
     m = manifest
     staging, uploader = None, None
+    held = None
     if opts.writable:
         uploader, staging = await _writable(opts, source, m.dataset)
+        held = hold_staging(staging)
     mount = _native.Mount(
         str(mountpoint), paths=m.paths, sizes=m.sizes, modes=m.modes, mtimes_ns=m.mtimes,
         versions=m.versions, dirs=m.dirs, block_size=m.block_size, dataset=m.dataset,
@@ -194,6 +237,8 @@ async def serve_native(opts: MountOptions, mountpoint: Path, source: UpstreamSou
             await asyncio.to_thread(writes.join, 10.0)
         if staging is not None:
             shutil.rmtree(staging, ignore_errors=True)
+        if held is not None:
+            os.close(held)
         if metrics is not None:
             metrics.close()
         c = mount.counters()

@@ -111,7 +111,7 @@ class Metadata:
         info = DatasetInfo.from_json(doc, DEFAULT_BLOCK_SIZE)
         self._datasets[name] = (now, info)
         self.unconfirmed.discard(name)
-        self.store.kv_set(f"dataset:{name}", json.dumps(info.to_json()))
+        self.store.kv_set(f"dataset:{name}", json.dumps(info.to_json()), soon=True)
         return info
 
     def forget(self, name: str) -> None:

@@ -301,17 +301,7 @@ class WriteBack:
         return [(journal, [u.path for u in ups]) for journal, ups in inc.pending()]
 
     def _done(self, ds: str) -> list[dict[str, Any]]:
-        try:
-            lines = (self.root / ds / "done.jsonl").read_text().splitlines()
-        except FileNotFoundError:
-            return []
-        out = []
-        for line in lines[-DONE_KEPT:]:
-            try:
-                out.append(json.loads(line))
-            except ValueError:
-                continue  # a line torn by a crash: the hub holds the truth
-        return out
+        return read_done(self.root / ds / "done.jsonl")
 
     async def _repin(self) -> None:
         """The last commits published before a restart, pinned again (``keeper``)."""
@@ -578,3 +568,24 @@ async def _pieces(part: Path, offset: int, size: int, wb: WriteBack) -> AsyncIte
     finally:
         wb.held_s += pacer.held_s
         f.close()
+
+
+def read_done(path: Path) -> list[dict[str, Any]]:
+    """The last ``DONE_KEPT`` commits a ``done.jsonl`` records, oldest first, one per commit."""
+    try:
+        lines = path.read_text().splitlines()
+    except FileNotFoundError:
+        return []
+    out: dict[object, dict[str, Any]] = {}
+    for line in lines[-DONE_KEPT:]:
+        try:
+            doc = json.loads(line)
+        except ValueError:
+            continue  # a line torn by a crash: the hub holds the truth
+        if not isinstance(doc, dict):
+            continue
+        # A crash between a commit's line and its journal's retirement publishes it again
+        # (found already at the hub), which writes a second line: the commit keeps its place
+        # (the order is publication's, which retention's "last N" reads) and its last line.
+        out[doc.get("commit")] = doc
+    return list(out.values())
