@@ -4,10 +4,10 @@ The event loop owns the index (in memory) and never waits on the disk: it hands 
 jobs (write these blocks there, then tell me) and queues index rows (insert, delete, facts:
 ``spokefs.cache.index``), and goes on. The worker runs jobs as they come and commits the
 queued rows in one transaction at most every ``commit_every`` seconds, so a block costs no
-commit of its own. With ``fsync``, the segment files written since the last commit are
-flushed before the commit, so a row never becomes durable before its bytes. Either way a
-crash can only leave rows whose bytes are missing or torn, and the digest check on every read
-turns those into misses.
+commit of its own (``commit_soon`` moves a commit forward, for a fact a restart must find).
+With ``fsync``, the segment files written since the last commit are flushed before the commit,
+so a row never becomes durable before its bytes. Either way a crash can only leave rows whose
+bytes are missing or torn, and the digest check on every read turns those into misses.
 """
 
 from __future__ import annotations
