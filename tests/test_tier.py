@@ -286,6 +286,21 @@ def test_three_spokes_share_one_copy_and_survive_a_member(tier3) -> None:
     assert metric(b, "spokefs_upstream_bytes_total") == 0
 
 
+def why_the_wan(wan: Wan, urls: list[str], total: int,
+                member: Callable[[int], ServerProcess]) -> str:
+    """What each member fetched upstream and how its requests to the others ended: the
+    message of a failed once-across-the-WAN check (a retry, a reroute, a timeout)."""
+    lines = [f"WAN carried {wan.bytes_down()} bytes for {total}"]
+    for i, u in enumerate(urls):
+        ends = {o: metric(u, "spokefs_tier_peer_requests_total", outcome=o)
+                for o in ("answered", "failed", "timed_out")}
+        lines.append(f"{u}: upstream {metric(u, 'spokefs_upstream_bytes_total')} bytes, "
+                     f"rerouted {metric(u, 'spokefs_tier_rerouted_blocks_total')}, {ends}; "
+                     + " | ".join(line for line in member(i).tail(400).splitlines()
+                                  if "WARNING" in line or "retry" in line)[-2000:])
+    return "\n".join(lines)
+
+
 def owned_and_copies(urls: list[str]) -> tuple[list[int], list[int]]:
     """Per member: bytes of the blocks it owns, bytes of its copies of others' blocks."""
     sts = [status(u) for u in urls]
@@ -308,7 +323,7 @@ def test_members_keep_copies_in_spare_room_and_read_them_locally(tmp_path: Path)
         errors: list[str] = []
         in_threads(*(lambda u=u: read_epoch(u, files, errors) for u in urls))
         assert errors == []
-        assert total <= wan.bytes_down() <= 1.02 * total
+        assert total <= wan.bytes_down() <= 1.02 * total, why_the_wan(wan, urls, total, member)
         wait_until("every member to hold the whole dataset", lambda: all(
             status(u)["cache"]["data_bytes"] == total for u in urls))
         owned, copies = owned_and_copies(urls)
@@ -537,6 +552,44 @@ def test_a_member_that_goes_silent_is_skipped_within_the_deadline(tier3) -> None
         proc.send_signal(signal.SIGCONT)
     wait_until("A to see B up again", lambda: any(
         m["url"] == b and m["state"] == "up" for m in status(a)["tier"]["members"]))
+
+
+def test_a_member_waiting_on_its_upstream_is_waited_for_not_skipped(tmp_path: Path) -> None:
+    """A member that sends nothing past --tier-timeout because its own upstream holds the
+    blocks (the hub stopped) still answers a probe: it is waited for, within the deadline,
+    rather than skipped, so no block it was asked for crosses the WAN a second time."""
+    ds = make_dataset(tmp_path / "ds", n_small=24, small_size=20_000, big_sizes=())
+    files = files_of(ds)
+    ports = [free_port() for _ in range(2)]
+    a, b = urls = [f"http://127.0.0.1:{p}" for p in ports]
+    with ExitStack() as stack:
+        h = stack.enter_context(hub(ds, tmp_path / "hubstate"))
+        for i, port in enumerate(ports):
+            stack.enter_context(spoke(h.url, tmp_path / f"cache{i}", "1GiB", "--port",
+                                      str(port), "--workers", "1", "--deadline", "60s",
+                                      "--no-prefetch", "--tier", ",".join(urls),
+                                      "--tier-timeout", "1s"))
+        errors: list[str] = []
+        read_epoch(a, files[:1], errors)  # both know the snapshot before the hub stops
+        read_epoch(b, files[:1], errors)
+        assert h.proc is not None
+        h.proc.send_signal(signal.SIGSTOP)
+        try:
+            readers = threading.Thread(target=in_threads, args=[
+                lambda f=f: read_epoch(a, [f], errors) for f in files[1:]])
+            readers.start()
+            # B has sent A nothing for more than --tier-timeout, twice, and still answers
+            wait_until("A to wait for B", lambda: metric(
+                a, "spokefs_tier_peer_waits_total", peer=b) >= 2)
+        finally:
+            h.proc.send_signal(signal.SIGCONT)
+        readers.join(120)
+        assert errors == [], errors[:3]
+        assert metric(a, "spokefs_tier_peer_requests_total", outcome="timed_out") == 0
+        assert metric(a, "spokefs_tier_rerouted_blocks_total") == 0
+        assert metric(a, "spokefs_tier_peer_blocks_total", peer=b) > 0  # B's share, from B
+        fetched = sum(metric(u, "spokefs_upstream_bytes_total") for u in urls)
+        assert fetched == sum(len(d) for _, d in files)  # each block once
 
 
 def test_a_members_batch_read_is_the_primary_workers_to_answer(tmp_path: Path) -> None:

@@ -582,12 +582,18 @@ class Fetcher:
             if self.queue.held_back:
                 self._pump()
 
+        # Only the blocks' owner, asked for them first, is waited for while silent: a stand-in
+        # for a member that failed, or a handoff's copy, gets the plain timeout (waits must
+        # not compound: the stand-in may be waiting on the failed member itself).
+        waits = not handoff and all(not f.tried and tier.router.owner(f.key) == peer
+                                    for f in fetches)
         failure: str | None = None
         try:
             await tier.client(peer).read_blocks(
                 f"/v1/datasets/{batch.group}/blocks", body, begin, end, progress=arrived,
                 headers={H_PEER: "copy" if handoff else
-                         "prefetch" if batch.prefetch else "demand", H_MEMBER: tier.self_url})
+                         "prefetch" if batch.prefetch else "demand", H_MEMBER: tier.self_url},
+                patience=tier.patience(peer) if waits else None)
         except Transient as exc:
             failure = str(exc)
         except SpokeError as exc:

@@ -35,7 +35,7 @@ def make_tier(config: SpokeConfig, registry: CollectorRegistry) -> Tier:
     return Tier(config.advertise, members, registry, token=config.tier_token(),
                 timeout=config.tier_timeout, lookup=lookup, source=source,
                 refresh=config.tier_refresh, borrow_bytes=config.tier_borrow,
-                max_connections=config.max_inflight)
+                max_connections=config.max_inflight, wait_limit=config.deadline)
 
 
 class Member:

@@ -50,7 +50,7 @@ from spokefs.tier.rendezvous import Rendezvous, normalise_url
 from spokefs.wire.backend import PEER_KEY
 from spokefs.wire.client import UpstreamClient
 from spokefs.wire.headers import H_MEMBER, H_PEER
-from spokefs.wire.http1 import DataClient
+from spokefs.wire.http1 import DataClient, Patience
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
@@ -199,6 +199,10 @@ class TierMetrics:
         self.rerouted = Counter("spokefs_tier_rerouted_blocks", "Blocks asked of the next "
                                 "member or the upstream because a member failed them",
                                 ["peer"], registry=r)
+        self.waited = Counter("spokefs_tier_peer_waits", "Times a member that had sent "
+                              "nothing for nearly --tier-timeout answered a probe and was "
+                              "waited for (busy on its own upstream, not gone)", ["peer"],
+                              registry=r)
         self.served = Counter("spokefs_tier_served_bytes", "Bytes this member served to other "
                               "members' batch reads", registry=r)
         self.members = Gauge("spokefs_tier_members", "Listed tier members by state",
@@ -220,6 +224,7 @@ class Tier:
                  token: str | None, timeout: float = 10.0, max_connections: int = 32,
                  lookup: Lookup | None = None, source: str = "static",
                  refresh: float = 10.0, borrow_bytes: int = 128 << 20,
+                 wait_limit: float = 0.0,
                  clock: Callable[[], float] = time.monotonic) -> None:
         if timeout <= 0 or refresh <= 0:
             raise ConfigError("--tier-timeout and --tier-refresh must be positive")
@@ -233,6 +238,8 @@ class Tier:
         self.source = source
         self.refresh = refresh
         self.borrow_bytes = borrow_bytes
+        self.wait_limit = wait_limit  # how long a silent member that answers is waited for
+        self._alive: dict[str, tuple[float, asyncio.Future[bool]]] = {}
         self.on_change: Callable[[], None] | None = None  # the member list changed
         self.metrics = TierMetrics(registry)
         for st in State:
@@ -274,6 +281,46 @@ class Tier:
                 url, max_connections=self.max_connections, idle_timeout=self.timeout,
                 connect_timeout=min(2.0, self.timeout), token=self.token, idle_any=True)
         return c
+
+    def patience(self, url: str) -> Patience:
+        """For a read of blocks ``url`` owns, which it fetches from its upstream for us:
+        silent, it is still waited for while it answers a probe, up to the reads' deadline,
+        since asking the upstream ourselves would bring the blocks across the WAN twice."""
+        return Patience(lambda: self.alive(url), self.wait_limit, self.probe_timeout)
+
+    @property
+    def probe_timeout(self) -> float:
+        """How long a member has to answer a probe: on the local network, a second at most
+        (a third of --tier-timeout when that is shorter)."""
+        return min(1.0, self.timeout / 3)
+
+    async def alive(self, url: str) -> bool:
+        """Whether ``url``'s primary answers a request now (any status); the requests that
+        go silent together share one probe, and its answer counts for a second."""
+        now = self.clock()
+        known = self._alive.get(url)
+        if known is None or (known[1].done() and now - known[0] > 1.0):
+            fut = asyncio.ensure_future(self._answers(url))
+            known = self._alive[url] = (now, fut)
+        answered = await asyncio.shield(known[1])
+        if answered:
+            self.metrics.waited.labels(url).inc()
+            log.debug("tier member %s sends nothing but answers: still waiting", url)
+        return answered
+
+    async def _answers(self, url: str) -> bool:
+        client = UpstreamClient(url, max_connections=1, request_timeout=self.probe_timeout,
+                                token=self.token)
+        try:
+            # What probes ask (the primary answers it without its upstream); a refusal is
+            # an answer too.
+            async with asyncio.timeout(self.probe_timeout):  # the connect too
+                await client.forward("GET", "/v1/status", {}, b"")
+        except (TimeoutError, Transient, SpokeError):  # no answer in time, or none at all
+            return False
+        finally:
+            await client.close()
+        return True
 
     @property
     def last_received(self) -> float:

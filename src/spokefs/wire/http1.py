@@ -31,7 +31,8 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
 from urllib.parse import urlsplit
 
 from spokefs.errors import Failure, Transient
@@ -165,6 +166,20 @@ class _Connection(asyncio.BufferedProtocol):
             self.transport.abort()
 
 
+@dataclass(frozen=True)
+class Patience:
+    """For a request whose server may stay silent while it works for it (a tier member
+    fetching the blocks from its own upstream): ``ahead`` seconds before ``idle_timeout``
+    runs out, ``alive()`` is asked (it answers within ``ahead``), and True (the server
+    answers something else) lets the request wait another ``idle_timeout``, up to ``limit``
+    seconds from its start; False fails it at once. A server that is gone is thus given up
+    on no later than without patience."""
+
+    alive: Callable[[], Awaitable[bool]]
+    limit: float
+    ahead: float
+
+
 class DataClient:
     """Ranged GETs and batch reads over a pool of kept-alive connections to one upstream.
 
@@ -172,8 +187,9 @@ class DataClient:
     (``Transient``): a stalled link must not hold a slot forever. With ``idle_any``, only
     while no connection of the pool brings a byte (a server that answers a batch once all of
     it is ready, and is answering other requests meanwhile, is busy, not gone: tier members).
-    A request's ``progress(n)`` hears each piece of its body as it arrives (the spoke's link
-    model counts them).
+    A batch read with ``patience`` (``Patience``) asks before it gives up. A request's
+    ``progress(n)`` hears each piece of its body as it arrives (the spoke's link model counts
+    them).
     """
 
     def __init__(self, base_url: str, max_connections: int = 64,
@@ -235,7 +251,8 @@ class DataClient:
                           begin: Callable[[FrameHeader], memoryview | None],
                           end: Callable[[FrameHeader, memoryview], None],
                           progress: Callable[[int], None] | None = None,
-                          headers: dict[str, str] | None = None) -> int:
+                          headers: dict[str, str] | None = None,
+                          patience: Patience | None = None) -> int:
         """POST a batch read; frames go to ``begin``/``end`` (see ``FrameReader``) as they
         arrive. Returns the number of frames. A cut stream raises ``Transient`` after every
         whole frame before the cut was delivered."""
@@ -250,7 +267,7 @@ class DataClient:
             readers.append(FrameReader(begin, end))
             return _Frames(readers[0])
 
-        head = await self._exchange(request, sink_for, path, progress)
+        head = await self._exchange(request, sink_for, path, progress, patience)
         if not 200 <= head.status < 300:
             raise_for_status(head.status, head.body, path)
         if not readers[0].between_frames:
@@ -259,7 +276,8 @@ class DataClient:
 
     # -- the pool ------------------------------------------------------------------------------
     async def _exchange(self, request: bytes, sink_for: SinkFor, what: str,
-                        progress: Callable[[int], None] | None = None) -> Head:
+                        progress: Callable[[int], None] | None = None,
+                        patience: Patience | None = None) -> Head:
         if self._slots is None:  # made in the running loop
             self._slots = asyncio.Semaphore(self.max_connections)
         async with self._slots:
@@ -272,7 +290,7 @@ class DataClient:
                     conn = await self._connect()
                 try:
                     head = await self._wait(conn, conn.begin(request, sink_for, progress),
-                                            what)
+                                            what, patience)
                 except Transient:
                     self._discard(conn)
                     if reused and not conn.received_any:
@@ -288,18 +306,28 @@ class DataClient:
                 return head
         raise AssertionError("unreachable")
 
-    async def _wait(self, conn: _Connection, fut: asyncio.Future[Head], what: str) -> Head:
-        """The response, unless the connection stays silent for ``idle_timeout``."""
-        conn.last_received = time.monotonic()
+    async def _wait(self, conn: _Connection, fut: asyncio.Future[Head], what: str,
+                    patience: Patience | None = None) -> Head:
+        """The response, unless the connection stays silent for ``idle_timeout`` (and, with
+        ``patience``, its server does not answer when asked)."""
+        began = conn.last_received = vouched = time.monotonic()
         while True:
             heard = max(conn.last_received, self.last_received) if self.idle_any \
                 else conn.last_received
-            left = heard + self.idle_timeout - time.monotonic()
+            left = max(heard, vouched) + self.idle_timeout - time.monotonic()
+            if patience is not None and left <= patience.ahead:
+                if time.monotonic() - began < patience.limit and await patience.alive():
+                    vouched = time.monotonic()
+                    continue
+                left = 0.0  # it does not answer (or was waited for long enough)
+            if fut.done():  # it came while the server was asked
+                return fut.result()
             if left <= 0:
                 conn.abort()
                 raise Transient(f"no byte from upstream for {self.idle_timeout:g}s ({what})",
                                 Failure.NO_ANSWER)
-            done, _ = await asyncio.wait({fut}, timeout=left)
+            done, _ = await asyncio.wait(
+                {fut}, timeout=left if patience is None else left - patience.ahead)
             if done:
                 return fut.result()
 
