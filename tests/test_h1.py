@@ -246,3 +246,36 @@ def test_a_closed_parser_never_hands_out_a_callers_buffer() -> None:
     with pytest.raises(ResponseError):
         parser.received(3)
     assert target == bytearray(1 << 20)
+
+
+def test_after_a_large_frame_the_next_is_received_straight_into_its_destination() -> None:
+    """A batch body of 128 KiB frames, each read as a transport would (as much as the
+    buffer handed out holds): after the first frame, scratch takes only the next header, so
+    each payload lands in its destination without a copy out of scratch."""
+    from spokefs.wire.frames import FrameReader, encode_header
+    from spokefs.wire.http1 import _Frames
+
+    n, size = 6, 128 * 1024
+    payloads = [bytes([i]) * size for i in range(n)]
+    body = b"".join(encode_header(i, 200, size) + p for i, p in enumerate(payloads))
+    dests = [bytearray(size) for _ in range(n)]
+    got: list[int] = []
+    reader = FrameReader(lambda h: memoryview(dests[h.seq]), lambda h, _: got.append(h.seq))
+    parser = ResponseParser()
+    parser.expect(lambda head: _Frames(reader))
+    stream = memoryview(Answer(200, body).encode())
+    pos, in_place, receives = 0, 0, 0
+    while pos < len(stream):
+        buf = parser.buffer()
+        k = min(len(buf), len(stream) - pos)
+        buf[:k] = stream[pos:pos + k]
+        pos += k
+        receives += 1
+        if any(buf.obj is d for d in dests):
+            in_place += k
+        parser.received(k)
+    assert got == list(range(n)) and [bytes(d) for d in dests] == payloads
+    # The first receive (the head's, into scratch) took the first frame and most of the
+    # second (its rest came with the third header); every payload after is received in
+    # place, each header before it on its own.
+    assert in_place == (n - 2) * size and receives == 1 + 2 * (n - 2)

@@ -82,11 +82,20 @@ class FrameReader:
         self._dest: memoryview | None = None
         self._got = 0
         self.frames = 0  # completed
+        self.last_length = 0  # of the last frame completed
 
     @property
     def between_frames(self) -> bool:
         """True when no frame is partly read: the body may end here."""
         return self._frame is None and self._head_got == 0
+
+    def header_left(self) -> int:
+        """Bytes still to come of the next frame's header (0 while reading a payload)."""
+        return 0 if self._frame is not None else HEADER_SIZE - self._head_got
+
+    def frame_length(self) -> int:
+        """The payload length of the frame being read (0 while reading a header)."""
+        return 0 if self._frame is None else self._frame.length
 
     def payload_left(self) -> int:
         """Bytes still to come of the current payload (0 while reading a header)."""
@@ -143,4 +152,5 @@ class FrameReader:
         self._frame = self._dest = None
         self._got = 0
         self.frames += 1
+        self.last_length = h.length
         self._end(h, dest)

@@ -53,6 +53,7 @@ class Sink(Protocol):
     def direct(self) -> memoryview | None: ...   # a large destination to receive into
     def advance(self, n: int) -> None: ...         # n bytes were received into direct()
     def feed(self, data: memoryview) -> None: ...  # a piece received elsewhere
+    def scratch_limit(self) -> int | None: ...     # most bytes for scratch now (None: any)
 
 
 class Head:
@@ -104,6 +105,9 @@ class IntoBuffer:
     def feed(self, data: memoryview) -> None:
         self.target[self.got:self.got + len(data)] = data
         self.got += len(data)
+
+    def scratch_limit(self) -> int | None:
+        return None
 
 
 class _Collect(IntoBuffer):
@@ -204,7 +208,8 @@ class ResponseParser:
             if d is not None and len(d) > 0:
                 self._direct = True
                 return d[:self._left] if len(d) > self._left else d
-            return self._view[:min(SCRATCH, self._left)]
+            limit = self._sink.scratch_limit()
+            return self._view[:min(SCRATCH, self._left, limit or SCRATCH)]
         return self._view[self._head_len:]
 
     def received(self, n: int) -> list[Event]:
