@@ -322,7 +322,7 @@ def test_members_keep_copies_in_spare_room_and_read_them_locally(tmp_path: Path)
         wan.reset()
         errors: list[str] = []
         in_threads(*(lambda u=u: read_epoch(u, files, errors) for u in urls))
-        assert errors == []
+        assert errors == [], (errors[:3], why_the_wan(wan, urls, total, member))
         assert total <= wan.bytes_down() <= 1.02 * total, why_the_wan(wan, urls, total, member)
         wait_until("every member to hold the whole dataset", lambda: all(
             status(u)["cache"]["data_bytes"] == total for u in urls))

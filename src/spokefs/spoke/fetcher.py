@@ -587,13 +587,19 @@ class Fetcher:
         # not compound: the stand-in may be waiting on the failed member itself).
         waits = not handoff and all(not f.tried and tier.router.owner(f.key) == peer
                                     for f in fetches)
+        # A prefetch the owner holds back (its link's pacing) is waited for only while no
+        # reader waits on any of its blocks; then the plain timeout, as for a demand read
+        # the owner cannot deliver within half the deadline (``wait_limit``).
+        patience = None if not waits else tier.patience(peer, None if not batch.prefetch else
+                                                        lambda: all(f.entry.priority != DEMAND
+                                                                    for f in fetches))
         failure: str | None = None
         try:
             await tier.client(peer).read_blocks(
                 f"/v1/datasets/{batch.group}/blocks", body, begin, end, progress=arrived,
                 headers={H_PEER: "copy" if handoff else
                          "prefetch" if batch.prefetch else "demand", H_MEMBER: tier.self_url},
-                patience=tier.patience(peer) if waits else None)
+                patience=patience)
         except Transient as exc:
             failure = str(exc)
         except SpokeError as exc:

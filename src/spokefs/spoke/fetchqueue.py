@@ -91,10 +91,13 @@ class FetchQueue:
         return e
 
     def raise_priority(self, e: Entry, priority: int) -> None:
-        """A queued entry is wanted sooner (a reader now waits for a prefetch)."""
-        if e.state == QUEUED and priority < e.priority:
+        """An entry is wanted sooner (a reader now waits for a prefetch): reordered while
+        queued; out on a request, it only says so (a tier member's silence is then waited
+        out no longer)."""
+        if priority < e.priority:
             e.priority = priority
-            heapq.heappush(self._heap, (priority, next(self._seq), e))
+            if e.state == QUEUED:
+                heapq.heappush(self._heap, (priority, next(self._seq), e))
 
     def remove(self, e: Entry) -> bool:
         """Take a queued entry out (a cancelled prefetch); False if it already left."""

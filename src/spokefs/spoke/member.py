@@ -35,7 +35,9 @@ def make_tier(config: SpokeConfig, registry: CollectorRegistry) -> Tier:
     return Tier(config.advertise, members, registry, token=config.tier_token(),
                 timeout=config.tier_timeout, lookup=lookup, source=source,
                 refresh=config.tier_refresh, borrow_bytes=config.tier_borrow,
-                max_connections=config.max_inflight, wait_limit=config.deadline)
+                max_connections=config.max_inflight,
+                # half the deadline: then the blocks are asked elsewhere in time
+                wait_limit=config.deadline / 2)
 
 
 class Member:

@@ -238,7 +238,7 @@ class Tier:
         self.source = source
         self.refresh = refresh
         self.borrow_bytes = borrow_bytes
-        self.wait_limit = wait_limit  # how long a silent member that answers is waited for
+        self.wait_limit = wait_limit  # how long a silent owner that answers is waited for
         self._alive: dict[str, tuple[float, asyncio.Future[bool]]] = {}
         self.on_change: Callable[[], None] | None = None  # the member list changed
         self.metrics = TierMetrics(registry)
@@ -282,11 +282,15 @@ class Tier:
                 connect_timeout=min(2.0, self.timeout), token=self.token, idle_any=True)
         return c
 
-    def patience(self, url: str) -> Patience:
+    def patience(self, url: str, still: Callable[[], bool] | None = None) -> Patience:
         """For a read of blocks ``url`` owns, which it fetches from its upstream for us:
-        silent, it is still waited for while it answers a probe, up to the reads' deadline,
-        since asking the upstream ourselves would bring the blocks across the WAN twice."""
-        return Patience(lambda: self.alive(url), self.wait_limit, self.probe_timeout)
+        silent, it is still waited for while it answers a probe (and ``still()``), up to
+        ``wait_limit``, since asking the upstream ourselves would bring the blocks across
+        the WAN twice."""
+        async def alive() -> bool:
+            return (still is None or still()) and await self.alive(url)
+
+        return Patience(alive, self.wait_limit, self.probe_timeout)
 
     @property
     def probe_timeout(self) -> float:
