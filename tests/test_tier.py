@@ -554,21 +554,29 @@ def test_a_member_that_goes_silent_is_skipped_within_the_deadline(tier3) -> None
         m["url"] == b and m["state"] == "up" for m in status(a)["tier"]["members"]))
 
 
+@contextmanager
+def two_members(tmp_path: Path, ds: Path, *flags: str
+                ) -> Iterator[tuple[ServerProcess, list[str]]]:
+    """A hub on ``ds`` (no WAN between) and two spokes with --tier of each other."""
+    ports = [free_port() for _ in range(2)]
+    urls = [f"http://127.0.0.1:{p}" for p in ports]
+    with ExitStack() as stack:
+        h = stack.enter_context(hub(ds, tmp_path / "hubstate"))
+        for i, port in enumerate(ports):
+            stack.enter_context(spoke(h.url, tmp_path / f"cache{i}", "1GiB", "--port",
+                                      str(port), "--tier", ",".join(urls), *flags))
+        yield h, urls
+
+
 def test_a_member_waiting_on_its_upstream_is_waited_for_not_skipped(tmp_path: Path) -> None:
     """A member that sends nothing past --tier-timeout because its own upstream holds the
     blocks (the hub stopped) still answers a probe: it is waited for, within the deadline,
     rather than skipped, so no block it was asked for crosses the WAN a second time."""
     ds = make_dataset(tmp_path / "ds", n_small=24, small_size=20_000, big_sizes=())
     files = files_of(ds)
-    ports = [free_port() for _ in range(2)]
-    a, b = urls = [f"http://127.0.0.1:{p}" for p in ports]
-    with ExitStack() as stack:
-        h = stack.enter_context(hub(ds, tmp_path / "hubstate"))
-        for i, port in enumerate(ports):
-            stack.enter_context(spoke(h.url, tmp_path / f"cache{i}", "1GiB", "--port",
-                                      str(port), "--workers", "1", "--deadline", "60s",
-                                      "--no-prefetch", "--tier", ",".join(urls),
-                                      "--tier-timeout", "1s"))
+    with two_members(tmp_path, ds, "--workers", "1", "--deadline", "60s", "--no-prefetch",
+                     "--tier-timeout", "1s") as (h, urls):
+        a, b = urls
         errors: list[str] = []
         read_epoch(a, files[:1], errors)  # both know the snapshot before the hub stops
         read_epoch(b, files[:1], errors)
@@ -604,13 +612,8 @@ def test_a_members_batch_read_is_the_primary_workers_to_answer(tmp_path: Path) -
     # Which member owns a block hangs on the (random) ports: 160 files leave A fewer than
     # the 24 it needs with odds near 3e-21, where 60 did one run in twenty (and failed CI).
     ds = make_dataset(tmp_path / "ds", n_small=160, small_size=4_000, big_sizes=())
-    ports = [free_port() for _ in range(2)]
-    a, b = urls = [f"http://127.0.0.1:{p}" for p in ports]
-    with ExitStack() as stack:
-        h = stack.enter_context(hub(ds, tmp_path / "hubstate"))
-        for i, port in enumerate(ports):
-            stack.enter_context(spoke(h.url, tmp_path / f"cache{i}", "1GiB", "--port",
-                                      str(port), "--workers", "2", "--tier", ",".join(urls)))
+    with two_members(tmp_path, ds, "--workers", "2") as (h, urls):
+        a, b = urls
 
         async def manifest_keys() -> list[tuple[str, int]]:
             c = UpstreamClient(h.url)

@@ -312,15 +312,17 @@ class Tier:
             log.debug("tier member %s sends nothing but answers: still waiting", url)
         return answered
 
-    async def _answers(self, url: str) -> bool:
-        client = UpstreamClient(url, max_connections=1, request_timeout=self.probe_timeout,
+    async def _answers(self, url: str, timeout: float | None = None) -> bool:
+        """Whether ``url``'s primary answers ``GET /v1/status`` (any status: a refusal is an
+        answer too; the primary answers it without its upstream) within ``timeout``."""
+        timeout = self.probe_timeout if timeout is None else timeout
+        client = UpstreamClient(url, max_connections=1, request_timeout=timeout,
                                 token=self.token)
         try:
-            # What probes ask (the primary answers it without its upstream); a refusal is
-            # an answer too.
-            async with asyncio.timeout(self.probe_timeout):  # the connect too
+            async with asyncio.timeout(timeout):  # the connect too
                 await client.forward("GET", "/v1/status", {}, b"")
-        except (TimeoutError, Transient, SpokeError):  # no answer in time, or none at all
+        except (TimeoutError, Transient, SpokeError) as exc:  # no answer in time, or none
+            log.debug("tier probe of %s failed: %s", url, exc)
             return False
         finally:
             await client.close()
@@ -407,21 +409,12 @@ class Tier:
             await asyncio.sleep(0.5 if nxt is None else min(0.5, max(0.05, nxt - now)))
 
     async def _probe(self, url: str) -> None:
-        client = UpstreamClient(url, max_connections=1, request_timeout=min(2.0, self.timeout),
-                                token=self.token)
-        try:
-            await client.get_json("/v1/status")
-        except Transient as exc:
+        if not await self._answers(url, min(2.0, self.timeout)):
             self.router.failed(url, self.clock())
-            log.debug("tier probe of %s failed: %s", url, exc)
-        except SpokeError:
-            self.router.answered(url, self.clock())  # it answered (a refusal is an answer)
-        else:
-            self.router.answered(url, self.clock())
-            log.info("tier member %s answers again; it takes its share back", url,
-                     extra={"event": "tier_member", "member": url, "state": "up"})
-        finally:
-            await client.close()
+            return
+        self.router.answered(url, self.clock())
+        log.info("tier member %s answers again; it takes its share back", url,
+                 extra={"event": "tier_member", "member": url, "state": "up"})
 
     async def close(self) -> None:
         close = getattr(self.lookup, "close", None)  # a watch's thread
