@@ -575,3 +575,86 @@ def test_an_upload_abandoned_for_a_week_is_dropped_by_the_next_scan(tmp_path: Pa
         assert inc.state("new.pt")["received"] == 50
     finally:
         st.close()
+
+
+async def _pieces(data: bytes, seed: int) -> AsyncIterator[bytes]:
+    """``data`` in pieces of odd sizes, as a socket hands a body over."""
+    rng, at = random.Random(seed), 0
+    while at < len(data):
+        n = rng.choice([1, 4095, 4097, 65536, 300_001, 5 << 20])
+        yield data[at:at + n]
+        at += n
+
+
+def _resident(path: Path) -> int:
+    """Bytes of ``path`` in the page cache (util-linux's fincore)."""
+    out = subprocess.run(["fincore", "--bytes", "--noheadings", "--output", "RES", str(path)],
+                         check=True, capture_output=True, text=True).stdout
+    return int(out.strip())
+
+
+def test_a_body_is_written_past_the_page_cache_and_checked_as_it_arrives(tmp_path) -> None:
+    """A large upload is written with direct I/O from one aligned buffer: it leaves (almost)
+    nothing in the page cache, however its body is cut into pieces; its digests are made on
+    arrival and equal a read-back's; a resume at an offset off every boundary, and a body
+    not its declared version, are checked as before."""
+    probe = tmp_path / "probe"
+    probe.touch()
+    try:
+        os.close(os.open(probe, os.O_WRONLY | os.O_DIRECT))
+    except OSError:
+        pytest.skip("this filesystem offers no direct I/O")
+    (tmp_path / "ds").mkdir()
+    inc = Incoming(tmp_path / "ds", tmp_path / "state", BLOCK)
+    data = random.Random(3).randbytes((18 << 20) + 12_345)
+    v = version_of(data)
+
+    done = asyncio.run(inc.receive("a.pt", len(data), v, 0, _pieces(data, 1)))
+    assert done["whole"] and done["received"] == len(data)
+    part = inc.dir / f"{_key('a.pt')}.part"
+    assert part.read_bytes() == data
+    with open(part, "rb") as f:
+        assert inc.upload("a.pt").digests == b"".join(integrity.stream_digests(f, BLOCK)[1])
+    os.posix_fadvise(os.open(part, os.O_RDONLY), 0, 0, os.POSIX_FADV_DONTNEED)
+
+    # Received in two requests, the second from an odd offset (written through the page
+    # cache up to the next 4 KiB boundary, then directly again).
+    cut = 7 * BLOCK + 4097
+    first = asyncio.run(inc.receive("b.pt", len(data), v, 0, _pieces(data[:cut], 2)))
+    assert first == {**first, "received": cut, "whole": False}
+    done = asyncio.run(inc.receive("b.pt", len(data), v, cut, _pieces(data[cut:], 3)))
+    assert done["whole"]
+    part_b = inc.dir / f"{_key('b.pt')}.part"
+    assert part_b.read_bytes() == data
+    fd = os.open(part_b, os.O_RDONLY)
+    os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    os.close(fd)
+
+    # What stays cached of a fresh 18 MiB upload: its short tail, not its body.
+    done = asyncio.run(inc.receive("c.pt", len(data), v, 0, _pieces(data, 4)))
+    assert done["whole"]
+    assert _resident(inc.dir / f"{_key('c.pt')}.part") <= 64 * 1024
+
+    # Digested on arrival, a body that is not its declared version is dropped.
+    bad = data[:-1] + bytes([data[-1] ^ 1])
+    with pytest.raises(DigestMismatch):
+        asyncio.run(inc.receive("d.pt", len(bad), v, 0, _pieces(bad, 5)))
+    assert inc.upload("d.pt") is None
+    # And so is one resumed (checked by reading the part back).
+    asyncio.run(inc.receive("e.pt", len(bad), v, 0, _pieces(bad[:cut], 6)))
+    with pytest.raises(DigestMismatch):
+        asyncio.run(inc.receive("e.pt", len(bad), v, cut, _pieces(bad[cut:], 7)))
+    assert inc.upload("e.pt") is None
+
+
+@pytest.mark.parametrize("size", [0, 1, BLOCK - 1, BLOCK, BLOCK + 1, 3 * BLOCK])
+def test_digests_made_in_pieces_are_a_whole_files(tmp_path: Path, size: int) -> None:
+    data = random.Random(size).randbytes(size)
+    (tmp_path / "f").write_bytes(data)
+    with open(tmp_path / "f", "rb") as f:
+        whole = integrity.stream_digests(f, BLOCK)[1]
+    for step in (1000, BLOCK, 3 * BLOCK):
+        d = integrity.BlockDigests(BLOCK)
+        for i in range(0, size, step):
+            d.update(data[i:i + step])
+        assert d.digests() == whole

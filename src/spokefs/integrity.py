@@ -44,6 +44,33 @@ def version_id(size: int, block_size: int, digests: Iterable[bytes]) -> str:
     return h.hexdigest()
 
 
+class BlockDigests:
+    """``stream_digests`` for bytes that arrive in pieces of any size (an upload's body): fed
+    in order, each block digested once it is whole, the last one at ``digests``."""
+
+    def __init__(self, block_size: int) -> None:
+        self.block_size = block_size
+        self._hash = xxhash.xxh3_128()
+        self._in_block = 0
+        self._done: list[bytes] = []
+
+    def update(self, data: bytes | bytearray | memoryview) -> None:
+        view = memoryview(data)
+        while view:
+            take = min(len(view), self.block_size - self._in_block)
+            self._hash.update(view[:take])
+            self._in_block += take
+            view = view[take:]
+            if self._in_block == self.block_size:
+                self._done.append(self._hash.digest())
+                self._hash.reset()
+                self._in_block = 0
+
+    def digests(self) -> list[bytes]:
+        """Every block's digest so far, a short last block included (none for no bytes)."""
+        return self._done + ([self._hash.digest()] if self._in_block else [])
+
+
 def stream_digests(f: BinaryIO, block_size: int) -> tuple[int, list[bytes]]:
     """The bytes ``f`` holds from where it is to its end, cut into blocks: their count in
     bytes and each block's digest (an upload's check, on either side)."""

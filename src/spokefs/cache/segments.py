@@ -38,6 +38,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Generic, TypeVar
 
+from spokefs.cache.durable import open_direct
+
 log = logging.getLogger(__name__)
 
 ALIGN = 4096
@@ -101,7 +103,7 @@ class Segment:
         # The same file opened for direct I/O (None where the filesystem cannot, or not
         # wanted): blocks are written with it from page-aligned buffers, not copied into the
         # page cache.
-        self.dfd = _open_direct(path) if direct else None
+        self.dfd = open_direct(path) if direct else None
         # A file object over the same descriptor, for sendfile (which wants one).
         self.file = open(fd, "rb", buffering=0, closefd=False)  # noqa: SIM115
         self.size = size
@@ -129,13 +131,6 @@ class Segment:
         os.close(self.fd)
         if self.dfd is not None:
             os.close(self.dfd)
-
-
-def _open_direct(path: Path) -> int | None:
-    try:
-        return os.open(path, os.O_WRONLY | os.O_DIRECT)
-    except OSError:  # EINVAL: no direct I/O on this filesystem (tmpfs before Linux 6.6)
-        return None
 
 
 class SegmentFiles:

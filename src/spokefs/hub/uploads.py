@@ -35,6 +35,7 @@ import errno
 import hashlib
 import json
 import logging
+import mmap
 import os
 import stat as statmod
 import time
@@ -44,7 +45,7 @@ from pathlib import Path
 from typing import Any
 
 from spokefs import integrity
-from spokefs.cache.durable import write_durably
+from spokefs.cache.durable import open_direct, write_durably
 from spokefs.errors import BadRequest, Conflict, DigestMismatch, NoSpace, NotFound
 from spokefs.origin.folder import INCOMING
 from spokefs.wire.paths import clean_path
@@ -55,6 +56,7 @@ MAX_FILE = 1 << 44          # bytes of one uploaded file (16 TiB): a bound, not 
 MAX_PATH = 4096             # bytes of a path, as Linux's PATH_MAX
 MAX_NAME = 255              # bytes of one component, as Linux's NAME_MAX
 WRITE_CHUNK = 4 << 20       # bytes gathered before one write (a thread hop each)
+_PAGE = 4096                # direct I/O's alignment of memory, offsets and lengths
 COMMIT_MOST = 100_000       # uploads one commit publishes
 ABANDONED_AFTER = 7 * 86400  # seconds an upload may sit untouched, uncommitted, before the
                              # next scan drops it (as S3 lifecycles abort multipart uploads)
@@ -261,9 +263,9 @@ class Incoming:
         if up is None:
             up = Upload(path, size, version)
             await asyncio.to_thread(self._begin, key, up)
-        received = await self._write(key, size, offset, body, wrote)
+        received, digests = await self._write(key, size, offset, body, wrote)
         if received == size:
-            up = await asyncio.to_thread(self._check, key, up)
+            up = await asyncio.to_thread(self._check, key, up, digests)
         return self._answer(up, received)
 
     def _answer(self, up: Upload, received: int) -> dict[str, Any]:
@@ -279,32 +281,29 @@ class Incoming:
         write_durably(self.dir / f"{key}.json", json.dumps(up.to_json()).encode())
 
     async def _write(self, key: str, size: int, offset: int, body: AsyncIterator[bytes],
-                     wrote: Callable[[int], object]) -> int:
+                     wrote: Callable[[int], object]) -> tuple[int, list[bytes] | None]:
         """The body appended at ``offset``, gathered into large writes, flushed; the bytes
-        now held. A body past ``size`` is refused and leaves what was held before it."""
-        fd = await asyncio.to_thread(os.open, self.dir / f"{key}.part",
-                                     os.O_WRONLY | os.O_CREAT | os.O_CLOEXEC, 0o600)
-        at = offset
-        pending = bytearray()
+        now held, and (for a body from 0) the block digests of what was written. A body past
+        ``size`` is refused and leaves what was held before it."""
+        part = await asyncio.to_thread(
+            _PartWriter.open, self.dir / f"{key}.part", offset,
+            self.block_size if offset == 0 else None)
         try:
             try:
                 async for chunk in body:
-                    if at + len(pending) + len(chunk) > size:
-                        pending.clear()
-                        await asyncio.to_thread(os.ftruncate, fd, offset)
+                    if part.at + part.held + len(chunk) > size:
+                        part.held = 0
+                        await asyncio.to_thread(os.ftruncate, part.fd, offset)
                         raise BadRequest(f"the body runs past the upload's size ({size} "
                                          f"bytes); {offset} bytes are held")
-                    pending += chunk
-                    if len(pending) >= WRITE_CHUNK:
-                        at += await asyncio.to_thread(_pwrite_all, fd, bytes(pending), at)
-                        wrote(len(pending))
-                        pending.clear()
+                    view = memoryview(chunk)
+                    while view := part.take(view):
+                        wrote(await asyncio.to_thread(part.flush))
             finally:
                 # The bytes that arrived count, a body cut short included: its writer
                 # resumes from them.
-                if pending:
-                    at += await asyncio.to_thread(_pwrite_all, fd, bytes(pending), at)
-                    wrote(len(pending))
+                if part.held:
+                    wrote(await asyncio.to_thread(part.flush))
         except OSError as exc:
             if exc.errno in (errno.ENOSPC, errno.EDQUOT):
                 raise NoSpace(f"the hub's disk filled while receiving: {exc.strerror}; "
@@ -314,15 +313,20 @@ class Incoming:
             # What was written is flushed before any answer counts it (a client gone midway
             # included: it resumes from the length, and the last byte's check catches a
             # torn tail).
-            await asyncio.to_thread(_flush_close, fd)
-        return at
+            await asyncio.to_thread(part.close)
+        return part.at, part.digests()
 
-    def _check(self, key: str, up: Upload) -> Upload:
-        """Read the whole part back and digest it; the upload, whole, or DigestMismatch."""
+    def _check(self, key: str, up: Upload, digests: list[bytes] | None = None) -> Upload:
+        """The part checked against its declared version: digested as it arrived
+        (``digests``: a body received from 0 in one piece), else read back whole. The upload,
+        whole, or DigestMismatch."""
         part = self.dir / f"{key}.part"
         with open(part, "rb", buffering=0) as f:
             st = os.fstat(f.fileno())
-            size, digests = integrity.stream_digests(f, self.block_size)
+            if digests is None:
+                size, digests = integrity.stream_digests(f, self.block_size)
+            else:
+                size = st.st_size
         got = integrity.version_id(size, self.block_size, digests)
         if size != st.st_size or size != up.size or got != up.version:
             self._drop(key)
@@ -666,16 +670,84 @@ def _enter(parent: int, name: str, path: str, make: bool) -> int:
         raise
 
 
-def _pwrite_all(fd: int, data: bytes, at: int) -> int:
+class _PartWriter:
+    """An upload's part, written from one reused page-aligned buffer of ``WRITE_CHUNK``
+    bytes: each full buffer is one write (a thread hop), with direct I/O where the
+    filesystem offers it, so a checkpoint of many GB costs no copy into the page cache and
+    does not push the node's own pages out (it is read once more, by the upload onwards or
+    the commit's link, not served from memory). Bytes off a 4 KiB boundary (a short tail, a
+    resume at an odd offset) go through the buffered descriptor. ``digest``: the block size
+    to digest the bytes with as they are written (a body from 0), so the last byte's check
+    needs no read-back."""
+
+    def __init__(self, fd: int, dfd: int | None, at: int, digest: int | None) -> None:
+        self.fd, self.dfd, self.at = fd, dfd, at
+        self.held = 0  # bytes in the buffer, not yet written
+        self._buf = mmap.mmap(-1, WRITE_CHUNK)  # anonymous: page-aligned
+        self._view = memoryview(self._buf)
+        # Until the file offset is 4 KiB-aligned, gather only up to the next boundary.
+        self._limit = -at % _PAGE or WRITE_CHUNK
+        self._digests = integrity.BlockDigests(digest) if digest else None
+
+    @classmethod
+    def open(cls, path: Path, at: int, digest: int | None) -> _PartWriter:
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_CLOEXEC, 0o600)
+        return cls(fd, open_direct(path), at, digest)
+
+    def take(self, data: memoryview) -> memoryview:
+        """As much of ``data`` as fits copied into the buffer; the rest, empty unless the
+        buffer is full (``flush`` it, then take the rest)."""
+        n = min(len(data), self._limit - self.held)
+        self._view[self.held:self.held + n] = data[:n]
+        self.held += n
+        return data[n:]
+
+    def flush(self) -> int:
+        """The buffer written at ``at`` (any thread); the count written."""
+        n, data = self.held, self._view[:self.held]
+        if self._digests is not None:
+            self._digests.update(data)
+        done = 0
+        if self.dfd is not None and self.at % _PAGE == 0 and n >= _PAGE:
+            done = _pwrite_direct(self.dfd, data[:n - n % _PAGE], self.at)
+        _pwrite_all(self.fd, data[done:], self.at + done)
+        self.at += n
+        self.held, self._limit = 0, WRITE_CHUNK
+        return n
+
+    def digests(self) -> list[bytes] | None:
+        return self._digests.digests() if self._digests is not None else None
+
+    def close(self) -> None:
+        """Flushed to the disk and closed (what was not flushed from the buffer is dropped:
+        never counted as held)."""
+        try:
+            os.fsync(self.fd)
+        finally:
+            os.close(self.fd)
+            if self.dfd is not None:
+                os.close(self.dfd)
+            self._view.release()
+            self._buf.close()
+
+
+def _pwrite_direct(fd: int, data: memoryview, at: int) -> int:
+    """``data`` written at ``at`` with direct I/O, stopping early only where the kernel took
+    a count off a 4 KiB boundary (the rest must go buffered); the count written."""
+    done = 0
+    while done < len(data) and done % _PAGE == 0:
+        n = os.pwrite(fd, data[done:], at + done)
+        if n <= 0:
+            raise OSError(errno.ENOSPC, f"short write: {done} of {len(data)} bytes")
+        done += n
+    return done
+
+
+def _pwrite_all(fd: int, data: bytes | memoryview, at: int) -> int:
     view = memoryview(data)
     while view:
         n = os.pwrite(fd, view, at)
+        if n <= 0:
+            raise OSError(errno.ENOSPC, f"short write at {at}")
         view, at = view[n:], at + n
     return len(data)
-
-
-def _flush_close(fd: int) -> None:
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
