@@ -5,9 +5,11 @@ Real hub and spoke processes on 127.0.0.1."""
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -287,3 +289,50 @@ def test_spokefs_open_wb_writes_through_the_spoke(site: Site, tmp_path, monkeypa
         g.close()
     [staged] = tmp_path.glob("spokefs-*.part")
     assert staged.read_bytes() == b"kept" and str(staged) in "".join(caught.value.__notes__)
+
+
+def test_a_commit_is_safe_before_its_files_are_kept_and_recorded_once_across_a_kill(
+        site: Site, tmp_path: Path) -> None:
+    """The hub's publishing is recorded (``ckpt wait`` returns on it) before the spoke reads
+    the commit's files into its cache (spoke.kept), which can take a while for a large one:
+    the spoke is killed -9 the moment the record is on disk, and the commit's journal is
+    still there then (it goes once the files are kept). Started again, the spoke finds the
+    commit landed at the hub and finishes it without recording it a second time."""
+    assert site.spoke is not None
+    up = site.writer()
+    files = _files(tmp_path, 4, 16 << 20)
+    for path, local in files.items():
+        up.put(path, local)
+    wb = tmp_path / "cache" / "writeback" / "ckpt"
+    commit = up.commit(prefix="step-1/")["commit"]
+    deadline = time.monotonic() + 60
+    while commit not in _recorded(wb):
+        assert time.monotonic() < deadline, "the commit was not published within 60 s"
+        time.sleep(0.002)
+    site.spoke.kill()
+    assert (wb / "commits" / f"{commit}.json").exists(), \
+        "the commit's local copies went before its record: was it kept first?"
+    site.start_spoke()
+    ok = site.writer().wait_safe("step-1/", timeout=60)
+    assert ok, "".join(site.spoke.output()[-30:])
+    deadline = time.monotonic() + 60
+    while (wb / "commits" / f"{commit}.json").exists():  # finished: kept, then retired
+        assert time.monotonic() < deadline, "the commit was not finished after the restart"
+        time.sleep(0.05)
+    assert _recorded(wb).count(commit) == 1
+    published = _published(site)
+    assert all(path in published for path in files)
+    reader = Client(site.spoke.url, token=READER)  # type: ignore[union-attr]
+    m = reader.manifest("ckpt", reader.resolve("ckpt", "latest"))
+    for path, local in files.items():
+        version = m.versions[m.paths.index(path)]
+        assert reader.read("ckpt", version, 0, local.stat().st_size) == local.read_bytes()
+
+
+def _recorded(wb: Path) -> list[str]:
+    """The commits ``done.jsonl`` records as published, in order."""
+    try:
+        lines = (wb / "done.jsonl").read_text().splitlines()
+    except FileNotFoundError:
+        return []
+    return [json.loads(line)["commit"] for line in lines if line.endswith("}")]

@@ -102,6 +102,10 @@ class WriteBack:
         # (spoke.uploadpace); set by the spoke's backend.
         self.reads_waiting: Callable[[], bool] = lambda: False
         self.held_s = 0.0  # seconds uploads held a piece behind reads, in all
+        # Commits the hub published, recorded in ``done.jsonl``, whose files are still being
+        # kept into the cache ((dataset, journal): its paths): safe, so neither listed under
+        # ``commits`` nor counted as unsafe bytes.
+        self._safe: dict[tuple[str, Path], frozenset[str]] = {}
 
     # -- what is held ------------------------------------------------------------------------
     async def incoming(self, ds: str) -> Incoming:
@@ -175,16 +179,16 @@ class WriteBack:
                                     "and not yet published at the hub", labels=labels)
         now = time.time()
         for ds, inc in self._known().items():
-            held = list(inc.dir.glob("*.json")) if inc.dir.is_dir() else []
+            doc = self._listing(ds, inc, self._safe_of(ds))
             ages = []
-            for meta in held:
+            for up in doc["uploads"]:
                 try:
-                    ages.append(now - meta.stat().st_mtime)
+                    ages.append(now - (inc.dir / f"{_key(up['path'])}.json").stat().st_mtime)
                 except FileNotFoundError:
                     continue
-            unsafe.add_metric([ds], sum(u["size"] for u in inc.listing()))
+            unsafe.add_metric([ds], doc["unsafe_bytes"])
             oldest.add_metric([ds], max(ages, default=0.0))
-            commits.add_metric([ds], len(self._journals(inc)))
+            commits.add_metric([ds], len(doc["commits"]))
         yield unsafe
         yield oldest
         yield commits
@@ -204,7 +208,8 @@ class WriteBack:
 
     def unsafe_bytes(self) -> int:
         """Bytes held here that the hub has not published yet."""
-        return sum(u["size"] for inc in self._known().values() for u in inc.listing())
+        return sum(u["size"] for ds, inc in self._known().items() for u in inc.listing()
+                   if u["path"] not in self._safe_of(ds)[1])
 
     async def receive(self, ds: str, path: str, size: int, version: str, offset: int,
                       body: AsyncIterator[bytes]) -> dict[str, Any]:
@@ -273,13 +278,24 @@ class WriteBack:
 
     async def listing(self, ds: str) -> dict[str, Any]:
         inc = await self.incoming(ds)
-        return await asyncio.to_thread(self._listing, ds, inc)
+        return await asyncio.to_thread(self._listing, ds, inc, self._safe_of(ds))
 
-    def _listing(self, ds: str, inc: Incoming) -> dict[str, Any]:
-        ups = inc.listing()
+    def _safe_of(self, ds: str) -> tuple[frozenset[Path], frozenset[str]]:
+        """The journals of ``ds`` published but not yet retired, and their paths."""
+        # A copy first (one C call): scrapes and the quota's check run in threads.
+        mine = {j: paths for (d, j), paths in list(self._safe.items()) if d == ds}
+        return frozenset(mine), frozenset().union(*mine.values())
+
+    def _listing(self, ds: str, inc: Incoming,
+                 safe: tuple[frozenset[Path], frozenset[str]] = (frozenset(), frozenset())
+                 ) -> dict[str, Any]:
+        journals, published = safe
+        ups = [u for u in inc.listing() if u["path"] not in published]
         sizes = {u["path"]: u["size"] for u in ups}
         commits = []
         for journal, paths in self._journals(inc):
+            if journal in journals:
+                continue
             left = sum(sizes.get(p, 0) for p in paths)
             # "waiting": the last try to reach the hub failed (``last_error`` says why).
             commits.append({"commit": journal.stem, "files": len(paths), "paths": paths,
@@ -501,12 +517,20 @@ class WriteBack:
 
     async def _publish(self, ds: str, inc: Incoming, journal: Path, ups: list[Upload],
                        doc: dict[str, Any]) -> None:
-        """The hub published the commit: its files into the cache (``keeper``), then the
-        local copies go. Whole again after a crash between the two (the hub is asked first)."""
+        """The hub published the commit: recorded as safe at once (``done.jsonl``: ``ckpt
+        wait`` returns), then its files into the cache (``keeper``: a read of every byte,
+        which the time until safe does not wait for), then the local copies go. A crash
+        between: the restart finds the commit landed at the hub and finishes it without a
+        second record."""
+        await asyncio.to_thread(self._record_done, ds, journal, ups, doc)
+        self._safe[(ds, journal)] = frozenset(u.path for u in ups)
         if self.keeper is not None:
             await self.keeper.published(ds, journal.stem, inc.block_size, ups,
                                         {u.path: inc.dir / f"{_key(u.path)}.part" for u in ups})
-        await asyncio.to_thread(self._published, ds, inc, journal, ups, doc)
+        await asyncio.to_thread(self._retire, ds, inc, journal, ups)
+        self._safe.pop((ds, journal), None)
+        log.info("write-back: commit %s of %s published at the hub (%d files)", journal.stem,
+                 ds, len(ups))
 
     async def _committing(self, ds: str, ups: list[Upload]) -> bool:
         """True while the hub is committing any of ``ups``."""
@@ -526,23 +550,26 @@ class WriteBack:
         have = dict(zip(m.paths, m.versions, strict=True))
         return all(have.get(u.path) == u.version for u in ups)
 
-    def _published(self, ds: str, inc: Incoming, journal: Path, ups: list[Upload],
-                   doc: dict[str, Any]) -> None:
+    def _record_done(self, ds: str, journal: Path, ups: list[Upload], doc: dict[str, Any]
+                     ) -> None:
+        done = self.root / ds / "done.jsonl"
+        if any(d.get("commit") == journal.stem for d in read_done(done)):
+            return  # recorded before a crash that came before the local copies went
         line = json.dumps({"commit": journal.stem, "snapshot": doc.get("id"),
                            "files": len(ups), "bytes": sum(u.size for u in ups),
                            "paths": [u.path for u in ups][:1000], "at": time.time(),
                            # what the keeper pins again after a restart (spoke.kept)
                            "versions": [[u.version, u.size] for u in ups]})
-        with open(self.root / ds / "done.jsonl", "a") as f:
+        with open(done, "a") as f:
             f.write(line + "\n")
             f.flush()
             os.fsync(f.fileno())
+        self.metadata.forget(ds)  # the primary's reads see the new snapshot at once
+
+    def _retire(self, ds: str, inc: Incoming, journal: Path, ups: list[Upload]) -> None:
         inc.retire([(journal, ups)])
         self._at_hub.difference_update((ds, u.path, u.version) for u in ups)
         journal.with_suffix(".sent").unlink(missing_ok=True)
-        self.metadata.forget(ds)  # the primary's reads see the new snapshot at once
-        log.info("write-back: commit %s of %s published at the hub (%d files)", journal.stem,
-                 ds, len(ups))
 
     def _failed(self, inc: Incoming, journal: Path, ups: list[Upload], why: str) -> None:
         inc._fail(journal, ups, f"the hub refused the commit: {why}", Placed())
