@@ -658,3 +658,35 @@ def test_digests_made_in_pieces_are_a_whole_files(tmp_path: Path, size: int) -> 
         for i in range(0, size, step):
             d.update(data[i:i + step])
         assert d.digests() == whole
+
+
+def test_a_direct_reader_reads_every_span_exactly_and_past_the_page_cache(tmp_path) -> None:
+    """``DirectReader`` (an upload's part read on to the hub or into the cache): any offset
+    and length, the file's end included, as a plain read gives them, and none of it left
+    in the page cache where the filesystem offers direct I/O."""
+    from spokefs.cache.durable import DirectReader
+
+    data = random.Random(9).randbytes((9 << 20) + 777)
+    path = tmp_path / "part"
+    path.write_bytes(data)
+    fd = os.open(path, os.O_RDONLY)
+    os.fsync(fd)
+    os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    os.close(fd)
+    f = DirectReader(path, 1 << 20)
+    try:
+        spans = [(0, 1 << 20), (1, 4095), (4095, 2), (4096 * 3, 1 << 20), (12_345, 1 << 20),
+                 (len(data) - 10, 1 << 20), (len(data) - 4096, 4096), (len(data), 100),
+                 (len(data) + 5000, 10)]
+        for at, n in spans:
+            assert f.read(at, n) == data[at:at + n], (at, n)
+        at, got = 0, []
+        while piece := f.read(at, 1 << 20):  # a whole pass, as the upload reads it
+            got.append(piece)
+            at += len(piece)
+        assert b"".join(got) == data
+        direct = f.dfd is not None
+    finally:
+        f.close()
+    if direct:
+        assert _resident(path) <= 64 * 1024

@@ -22,13 +22,13 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import os
 from collections import deque
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from spokefs import integrity
+from spokefs.cache.durable import DirectReader
 from spokefs.cache.store import BlockStore
 from spokefs.hub.uploads import Upload
 from spokefs.policy import BlockKey
@@ -142,7 +142,7 @@ class Keeper:
     async def _write_file(self, dataset: str, up: Upload, part: Path, block_size: int,
                           digests: list[bytes]) -> None:
         try:
-            fd = await asyncio.to_thread(os.open, part, os.O_RDONLY)
+            f = await asyncio.to_thread(DirectReader, part, block_size)
         except OSError as exc:
             log.warning("checkpoint file %s of %s not kept in the cache: %s", up.path, dataset,
                         exc)
@@ -154,11 +154,11 @@ class Keeper:
                         if (up.version, j) not in self.store]
                 i += max(1, BATCH // block_size)
                 if want:
-                    got = await asyncio.to_thread(_read_blocks, fd, want, up.size, block_size,
+                    got = await asyncio.to_thread(_read_blocks, f, want, up.size, block_size,
                                                   digests)
                     await self._write_blocks(dataset, up, got, digests)
         finally:
-            os.close(fd)
+            f.close()
 
     async def _write_blocks(self, dataset: str, up: Upload,
                             got: list[tuple[int, bytes | None]], digests: list[bytes]) -> None:
@@ -184,14 +184,14 @@ class Keeper:
         self.kept_bytes += sum(n for ok, (_, n) in zip(kept, waits, strict=True) if ok)
 
 
-def _read_blocks(fd: int, which: list[int], size: int, block_size: int,
+def _read_blocks(f: DirectReader, which: list[int], size: int, block_size: int,
                  digests: list[bytes]) -> list[tuple[int, bytes | None]]:
-    """(thread) Blocks ``which`` of the file at ``fd``, each checked against its digest
-    (None: it does not match)."""
+    """(thread) Blocks ``which`` of the file ``f`` reads (past the page cache: the store
+    keeps its own copy), each checked against its digest (None: it does not match)."""
     out: list[tuple[int, bytes | None]] = []
     for j in which:
         lo, hi = integrity.block_span(j, size, block_size)
-        data = os.pread(fd, hi - lo, lo)
+        data = f.read(lo, hi - lo)
         out.append((j, data if len(data) == hi - lo
                     and integrity.block_digest(data) == digests[j] else None))
     return out

@@ -42,7 +42,7 @@ from urllib.parse import quote
 import aiohttp
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
-from spokefs.cache.durable import write_durably
+from spokefs.cache.durable import DirectReader, write_durably
 from spokefs.errors import (
     BadRequest,
     Conflict,
@@ -577,16 +577,17 @@ class WriteBack:
 
 
 async def _pieces(part: Path, offset: int, size: int, wb: WriteBack) -> AsyncIterator[bytes]:
-    """The part's bytes from ``offset``, a piece at a time, read off the event loop; each
-    piece held while readers wait on the upstream (``spoke.uploadpace``)."""
-    f = await asyncio.to_thread(open, part, "rb")
+    """The part's bytes from ``offset``, a piece at a time, read off the event loop and past
+    the page cache (written so, and read this once); each piece held while readers wait on
+    the upstream (``spoke.uploadpace``)."""
+    f = await asyncio.to_thread(DirectReader, part, PIECE)
     pacer = UploadPacer()
     try:
         at = offset
         while at < size:
             while (wait := pacer.hold(time.monotonic(), wb.reads_waiting())) > 0:
                 await asyncio.sleep(wait)
-            piece = await asyncio.to_thread(os.pread, f.fileno(), min(PIECE, size - at), at)
+            piece = await asyncio.to_thread(f.read, at, min(PIECE, size - at))
             if not piece:
                 raise SpokeError(f"{part} is shorter than its upload: {at} of {size} bytes")
             at += len(piece)
