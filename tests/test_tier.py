@@ -327,7 +327,11 @@ def test_members_keep_copies_in_spare_room_and_read_them_locally(tmp_path: Path)
         wait_until("every member to hold the whole dataset", lambda: all(
             status(u)["cache"]["data_bytes"] == total for u in urls))
         owned, copies = owned_and_copies(urls)
-        assert sum(owned) == total and all(c > 0 for c in copies), (owned, copies)
+        # Every block is owned by a member, once per time the WAN carried it: a block asked
+        # of its owner and fetched by the asker too (a reader joined a prefetch its owner
+        # held back; within the 2% above) is owned by both.
+        assert total <= sum(owned) <= wan.bytes_down() and all(c > 0 for c in copies), \
+            (owned, copies, why_the_wan(wan, urls, total, member))
         top = subprocess.run([sys.executable, "-m", "spokefs.cli", "top", "--once", a],
                              check=True, capture_output=True, text=True).stdout
         assert "3 members (static)  copies" in top and "(this member)" in top, top
@@ -390,12 +394,15 @@ def test_copies_never_push_out_a_block_its_member_owns(tmp_path: Path) -> None:
             in_threads(*(lambda u=u: read_epoch(u, files, errors) for u in urls))
             assert errors == []
             if epoch == 0:
-                assert total <= wan.bytes_down() <= 1.02 * total
+                first = wan.bytes_down()
+                assert total <= first <= 1.02 * total
                 wait_until("every block written", lambda: sum(
                     owned_and_copies(urls)[0]) >= total)
         assert wan.bytes_down() < 0.02 * total, wan.bytes_down()  # the second epoch
         owned, copies = owned_and_copies(urls)
-        assert sum(owned) == total, (owned, copies)  # no owned block was evicted
+        # No owned block was evicted (a block the WAN carried twice in the first epoch is
+        # owned by both members that fetched it: see the test above).
+        assert total <= sum(owned) <= first, (owned, copies)
         assert all(c > 0 for c in copies), copies  # the spare room holds copies
         for u in urls:
             cache = status(u)["cache"]
