@@ -68,6 +68,13 @@ class DirectReader:
                     break  # the file's end (a last, partial page)
                 got += k
             return bytes(view[at - lo:min(got, at - lo + n)])
+        except OSError as exc:
+            if exc.errno != errno.EINVAL:
+                raise
+            # A device whose direct I/O wants more than 4 KiB alignment: plain reads.
+            os.close(self.dfd)
+            self.dfd = None
+            return os.pread(self.fd, n, at)
         finally:
             view.release()
 

@@ -709,7 +709,15 @@ class _PartWriter:
             self._digests.update(data)
         done = 0
         if self.dfd is not None and self.at % _PAGE == 0 and n >= _PAGE:
-            done = _pwrite_direct(self.dfd, data[:n - n % _PAGE], self.at)
+            try:
+                done = _pwrite_direct(self.dfd, data[:n - n % _PAGE], self.at)
+            except OSError as exc:
+                if exc.errno != errno.EINVAL:
+                    raise
+                # A device whose direct I/O wants more than 4 KiB alignment: buffered
+                # from here on (nothing was written by the refused call).
+                os.close(self.dfd)
+                self.dfd = None
         _pwrite_all(self.fd, data[done:], self.at + done)
         self.at += n
         self.held, self._limit = 0, WRITE_CHUNK
