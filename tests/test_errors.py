@@ -282,3 +282,64 @@ def test_tls_failures_are_final() -> None:
     finally:
         tls_server.close()
         plain.close()
+
+
+def test_a_patient_batch_read_waits_on_a_silent_server_that_answers_until_superseded() -> None:
+    """A batch read with ``Patience`` to a server that sends nothing (a tier member waiting
+    on its own upstream): while ``alive()`` says it answers, the read outlives its idle
+    timeout; once ``superseded()`` says so, it ends with ``Superseded`` (not a failure: the
+    caller asks again), and the server sees the connection dropped."""
+    from spokefs.wire.http1 import Patience, Superseded
+
+    async def main() -> tuple[float, int, float, bool]:
+        dropped = asyncio.Event()
+
+        async def silent(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+            await reader.read(1 << 16)  # the request; no answer, ever
+            await reader.read()  # b"" once the client drops the connection
+            dropped.set()
+            writer.close()
+
+        server = await asyncio.start_server(silent, "127.0.0.1", 0)
+        port = server.sockets[0].getsockname()[1]
+        client = DataClient(f"http://127.0.0.1:{port}", idle_timeout=0.3, token=None)
+        asked = 0
+        loop = asyncio.get_running_loop()
+        began = loop.time()
+        give_up_at = began + 1.0  # past three idle timeouts
+
+        async def alive() -> bool:
+            nonlocal asked
+            asked += 1
+            return True
+
+        patience = Patience(alive, limit=30.0, ahead=0.1,
+                            superseded=lambda: loop.time() >= give_up_at)
+        try:
+            with pytest.raises(Superseded):
+                await client.read_blocks("/blocks", b"{}", lambda h: None, lambda h, p: None,
+                                         patience=patience)
+            waited = loop.time() - began
+            await asyncio.wait_for(dropped.wait(), 5)
+        finally:
+            await client.close()
+            server.close()
+        # Without a superseded(): given up only at the limit, here a plain timeout after it.
+        patience = Patience(alive, limit=0.5, ahead=0.1)
+        server = await asyncio.start_server(silent, "127.0.0.1", 0)
+        port = server.sockets[0].getsockname()[1]
+        client = DataClient(f"http://127.0.0.1:{port}", idle_timeout=0.3, token=None)
+        began = loop.time()
+        try:
+            with pytest.raises(Transient):
+                await client.read_blocks("/blocks", b"{}", lambda h: None, lambda h, p: None,
+                                         patience=patience)
+        finally:
+            await client.close()
+            server.close()
+        return waited, asked, loop.time() - began, dropped.is_set()
+
+    waited, asked, limited, dropped = asyncio.run(main())
+    # Upper bounds only against a hang (the machine may be loaded).
+    assert 1.0 <= waited < 10 and asked >= 3 and dropped, (waited, asked)
+    assert 0.5 <= limited < 10, limited

@@ -62,7 +62,7 @@ from spokefs.spoke.upstreams import Routes, UpstreamSpec
 from spokefs.tier.membership import State
 from spokefs.wire.frames import FrameError, FrameHeader
 from spokefs.wire.headers import H_MEMBER, H_PEER
-from spokefs.wire.http1 import DataClient
+from spokefs.wire.http1 import DataClient, Superseded
 
 log = logging.getLogger(__name__)
 
@@ -588,18 +588,23 @@ class Fetcher:
         waits = not handoff and all(not f.tried and tier.router.owner(f.key) == peer
                                     for f in fetches)
         # A prefetch the owner holds back (its link's pacing) is waited for only while no
-        # reader waits on any of its blocks; then the plain timeout, as for a demand read
-        # the owner cannot deliver within half the deadline (``wait_limit``).
-        patience = None if not waits else tier.patience(peer, None if not batch.prefetch else
-                                                        lambda: all(f.entry.priority != DEMAND
-                                                                    for f in fetches))
+        # reader waits on any of its blocks; then it is given up and its blocks asked of the
+        # owner again, now as a demand, which joins the owner's fetch and goes first there
+        # (asking anyone else would bring them across the WAN twice). A demand read the
+        # owner cannot deliver within half the deadline (``wait_limit``) goes elsewhere.
+        patience = None if not waits else tier.patience(
+            peer, None if not batch.prefetch else
+            lambda: any(f.entry.priority == DEMAND for f in fetches))
         failure: str | None = None
+        superseded = False
         try:
             await tier.client(peer).read_blocks(
                 f"/v1/datasets/{batch.group}/blocks", body, begin, end, progress=arrived,
                 headers={H_PEER: "copy" if handoff else
                          "prefetch" if batch.prefetch else "demand", H_MEMBER: tier.self_url},
                 patience=patience)
+        except Superseded:
+            superseded = True
         except Transient as exc:
             failure = str(exc)
         except SpokeError as exc:
@@ -619,6 +624,12 @@ class Fetcher:
         finally:
             self.queue.finished(batch)
         left = [f for seq, f in enumerate(fetches) if seq not in done]
+        if superseded:  # the owner again, the joined blocks now as a demand
+            log.debug("tier: a prefetch of %d blocks held back at %s is now awaited by a "
+                      "reader: asked again", len(left), peer)
+            self._requeue_all(left)
+            self._pump()
+            return
         if failure is None:
             tier.answered(peer, got[0], got[1])
             if left:  # an answer without some of its frames: those go elsewhere

@@ -282,15 +282,15 @@ class Tier:
                 connect_timeout=min(2.0, self.timeout), token=self.token, idle_any=True)
         return c
 
-    def patience(self, url: str, still: Callable[[], bool] | None = None) -> Patience:
+    def patience(self, url: str, superseded: Callable[[], bool] | None = None) -> Patience:
         """For a read of blocks ``url`` owns, which it fetches from its upstream for us:
-        silent, it is still waited for while it answers a probe (and ``still()``), up to
-        ``wait_limit``, since asking the upstream ourselves would bring the blocks across
-        the WAN twice."""
+        silent, it is still waited for while it answers a probe, up to ``wait_limit``, since
+        asking the upstream ourselves would bring the blocks across the WAN twice; until
+        ``superseded()`` (the caller then asks ``url`` again another way)."""
         async def alive() -> bool:
-            return (still is None or still()) and await self.alive(url)
+            return await self.alive(url)
 
-        return Patience(alive, self.wait_limit, self.probe_timeout)
+        return Patience(alive, self.wait_limit, self.probe_timeout, superseded)
 
     @property
     def probe_timeout(self) -> float:

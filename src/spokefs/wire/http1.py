@@ -188,6 +188,14 @@ class Patience:
     alive: Callable[[], Awaitable[bool]]
     limit: float
     ahead: float
+    # Asked at the same moment, first: True ends the request with ``Superseded`` (what it
+    # waits for is now wanted another way: the caller asks again).
+    superseded: Callable[[], bool] | None = None
+
+
+class Superseded(Exception):
+    """A patient request given up because ``Patience.superseded`` said so; the connection is
+    dropped, the frames delivered before it stand."""
 
 
 class DataClient:
@@ -326,6 +334,9 @@ class DataClient:
                 else conn.last_received
             left = max(heard, vouched) + self.idle_timeout - time.monotonic()
             if patience is not None and left <= patience.ahead:
+                if patience.superseded is not None and patience.superseded():
+                    conn.abort()
+                    raise Superseded(what)
                 if time.monotonic() - began < patience.limit and await patience.alive():
                     vouched = time.monotonic()
                     continue
