@@ -29,7 +29,12 @@ from spokefs.wire.paths import check_dataset_name
 
 log = logging.getLogger(__name__)
 
-_PAGE = 4096  # direct I/O's alignment of memory, offsets and lengths
+ALIGN = 4096  # direct I/O's alignment of memory, offsets and lengths (and of cache regions)
+
+
+def aligned(n: int) -> int:
+    """``n`` rounded up to a multiple of ``ALIGN``."""
+    return (n + ALIGN - 1) & ~(ALIGN - 1)
 
 
 class DirectReader:
@@ -52,18 +57,18 @@ class DirectReader:
         """Up to ``n`` (at most ``most``) bytes from ``at``; short only at the file's end."""
         if self.dfd is None:
             return os.pread(self.fd, n, at)
-        lo = at - at % _PAGE
-        span = -(-(at + n - lo) // _PAGE) * _PAGE  # whole pages covering [at, at + n)
+        lo = at - at % ALIGN
+        span = aligned(at + n - lo)  # whole pages covering [at, at + n)
         if self._buf is None or len(self._buf) < span:
             if self._buf is not None:
                 self._buf.close()
-            self._buf = mmap.mmap(-1, max(span, -(-self._most // _PAGE) * _PAGE + _PAGE))
+            self._buf = mmap.mmap(-1, max(span, aligned(self._most) + ALIGN))
         view = memoryview(self._buf)
         try:
             got = 0
             while got < span:  # the kernel may take a direct read in parts
                 k = os.preadv(self.dfd, [view[got:span]], lo + got)
-                if k <= 0 or k % _PAGE:
+                if k <= 0 or k % ALIGN:
                     got += max(k, 0)
                     break  # the file's end (a last, partial page)
                 got += k

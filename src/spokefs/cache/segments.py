@@ -38,11 +38,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Generic, TypeVar
 
-from spokefs.cache.durable import open_direct
+from spokefs.cache.durable import ALIGN, aligned, open_direct
 
 log = logging.getLogger(__name__)
 
-ALIGN = 4096
 SEGMENT_BYTES = 256 << 20  # address space of one segment; most blocks are far smaller
 _ZEROS = memoryview(bytes(ALIGN))
 _MAX_IOV = 1000  # pieces per pwritev (the kernel takes up to IOV_MAX, 1024)
@@ -51,10 +50,6 @@ _FALLOC_FL_KEEP_SIZE = 0x01
 _FALLOC_FL_PUNCH_HOLE = 0x02
 _libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
 _libc.fallocate.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_int64, ctypes.c_int64]
-
-
-def aligned(n: int) -> int:
-    return (n + ALIGN - 1) & ~(ALIGN - 1)
 
 
 def punch_hole(fd: int, offset: int, length: int) -> None:

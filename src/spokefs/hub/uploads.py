@@ -45,7 +45,7 @@ from pathlib import Path
 from typing import Any
 
 from spokefs import integrity
-from spokefs.cache.durable import open_direct, write_durably
+from spokefs.cache.durable import ALIGN, open_direct, write_durably
 from spokefs.errors import BadRequest, Conflict, DigestMismatch, NoSpace, NotFound
 from spokefs.origin.folder import INCOMING
 from spokefs.wire.paths import clean_path
@@ -56,7 +56,6 @@ MAX_FILE = 1 << 44          # bytes of one uploaded file (16 TiB): a bound, not 
 MAX_PATH = 4096             # bytes of a path, as Linux's PATH_MAX
 MAX_NAME = 255              # bytes of one component, as Linux's NAME_MAX
 WRITE_CHUNK = 4 << 20       # bytes gathered before one write (a thread hop each)
-_PAGE = 4096                # direct I/O's alignment of memory, offsets and lengths
 COMMIT_MOST = 100_000       # uploads one commit publishes
 ABANDONED_AFTER = 7 * 86400  # seconds an upload may sit untouched, uncommitted, before the
                              # next scan drops it (as S3 lifecycles abort multipart uploads)
@@ -686,7 +685,7 @@ class _PartWriter:
         self._buf = mmap.mmap(-1, WRITE_CHUNK)  # anonymous: page-aligned
         self._view = memoryview(self._buf)
         # Until the file offset is 4 KiB-aligned, gather only up to the next boundary.
-        self._limit = -at % _PAGE or WRITE_CHUNK
+        self._limit = -at % ALIGN or WRITE_CHUNK
         self._digests = integrity.BlockDigests(digest) if digest else None
 
     @classmethod
@@ -708,9 +707,9 @@ class _PartWriter:
         if self._digests is not None:
             self._digests.update(data)
         done = 0
-        if self.dfd is not None and self.at % _PAGE == 0 and n >= _PAGE:
+        if self.dfd is not None and self.at % ALIGN == 0 and n >= ALIGN:
             try:
-                done = _pwrite_direct(self.dfd, data[:n - n % _PAGE], self.at)
+                done = _pwrite_direct(self.dfd, data[:n - n % ALIGN], self.at)
             except OSError as exc:
                 if exc.errno != errno.EINVAL:
                     raise
@@ -743,7 +742,7 @@ def _pwrite_direct(fd: int, data: memoryview, at: int) -> int:
     """``data`` written at ``at`` with direct I/O, stopping early only where the kernel took
     a count off a 4 KiB boundary (the rest must go buffered); the count written."""
     done = 0
-    while done < len(data) and done % _PAGE == 0:
+    while done < len(data) and done % ALIGN == 0:
         n = os.pwrite(fd, data[done:], at + done)
         if n <= 0:
             raise OSError(errno.ENOSPC, f"short write: {done} of {len(data)} bytes")

@@ -34,6 +34,7 @@ recently used first), so the read that follows a prefetch or a same-host mount's
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import time
 from collections import OrderedDict
@@ -287,10 +288,8 @@ class Tier:
         silent, it is still waited for while it answers a probe, up to ``wait_limit``, since
         asking the upstream ourselves would bring the blocks across the WAN twice; until
         ``superseded()`` (the caller then asks ``url`` again another way)."""
-        async def alive() -> bool:
-            return await self.alive(url)
-
-        return Patience(alive, self.wait_limit, self.probe_timeout, superseded)
+        return Patience(functools.partial(self.alive, url), self.wait_limit,
+                        self.probe_timeout, superseded)
 
     @property
     def probe_timeout(self) -> float:

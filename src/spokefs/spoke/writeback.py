@@ -208,8 +208,11 @@ class WriteBack:
 
     def unsafe_bytes(self) -> int:
         """Bytes held here that the hub has not published yet."""
-        return sum(u["size"] for ds, inc in self._known().items() for u in inc.listing()
-                   if u["path"] not in self._safe_of(ds)[1])
+        total = 0
+        for ds, inc in self._known().items():
+            published = self._safe_of(ds)[1]
+            total += sum(u["size"] for u in inc.listing() if u["path"] not in published)
+        return total
 
     async def receive(self, ds: str, path: str, size: int, version: str, offset: int,
                       body: AsyncIterator[bytes]) -> dict[str, Any]:
