@@ -129,8 +129,21 @@ class CuttingProxy:
         try:
             yield port
         finally:
+            # Torn down inside its loop: connections cancelled and closed there, so none is
+            # left to close itself on a closed loop when it is collected.
+            asyncio.run_coroutine_threadsafe(self.stop(), loop).result(10)
             loop.call_soon_threadsafe(loop.stop)
             thread.join(10)
+            loop.close()
+
+    async def stop(self) -> None:
+        if self.server is not None:
+            self.server.close()
+        tasks = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        await asyncio.sleep(0)  # the transports' connection_lost callbacks run
 
     async def _conn(self, cr: asyncio.StreamReader, cw: asyncio.StreamWriter) -> None:
         ur, uw = await asyncio.open_connection(*self.upstream)
