@@ -71,8 +71,8 @@ class Site:
                 proc.stop()
 
 
-@pytest.fixture
-def site(tmp_path: Path) -> Iterator[Site]:
+@pytest.fixture(name="site")
+def site_fixture(tmp_path: Path) -> Iterator[Site]:
     s = Site(tmp_path)
     s.start_hub()
     s.start_spoke()
@@ -89,6 +89,16 @@ def _files(tmp: Path, n: int, size: int) -> dict[str, Path]:
         p.write_bytes(os.urandom(size))
         out[f"step-1/rank{i}.distcp"] = p
     return out
+
+
+def handoffs(site: Site) -> float:
+    """Files the spoke took by descriptor (spoke/handoff.py), not over HTTP."""
+    assert site.spoke is not None
+    text = urllib3.request("GET", f"{site.spoke.url}/metrics",
+                           headers={"Authorization": f"Bearer {WRITER}"}).data.decode()
+    line = next(x for x in text.splitlines()
+                if x.startswith("spokefs_writeback_handoff_files_total "))
+    return float(line.split()[1])
 
 
 def _published(site: Site) -> dict[str, str]:

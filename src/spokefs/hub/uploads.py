@@ -57,6 +57,7 @@ MAX_PATH = 4096             # bytes of a path, as Linux's PATH_MAX
 MAX_NAME = 255              # bytes of one component, as Linux's NAME_MAX
 WRITE_CHUNK = 4 << 20       # bytes gathered before one write (a thread hop each)
 COMMIT_MOST = 100_000       # uploads one commit publishes
+ADOPTING = "adopting"        # an adopted upload's version until its bytes are digested
 ABANDONED_AFTER = 7 * 86400  # seconds an upload may sit untouched, uncommitted, before the
                              # next scan drops it (as S3 lifecycles abort multipart uploads)
 
@@ -266,6 +267,71 @@ class Incoming:
         if received == size:
             up = await asyncio.to_thread(self._check, key, up, digests)
         return self._answer(up, received)
+
+    def adopt(self, path: str, fd: int, size: int) -> dict[str, Any]:
+        """A whole file copied in from ``fd`` (a same-host writer's finished file, handed over
+        by descriptor: ``spoke.handoff``) and checked; blocking (a thread). The version is
+        the one its bytes digest to: nothing crossed a wire to be checked against. All or
+        nothing: a copy that fails, or a file that changed while it was read (409), leaves no
+        upload of ``path`` held; the writer hands it over again, or sends it."""
+        if not 0 <= size <= MAX_FILE:
+            raise BadRequest(f"an upload's size must be 0..{MAX_FILE} bytes, not {size}")
+        if path in self._busy:
+            raise Conflict(f"an upload of {path!r} is already being received")
+        self._busy.add(path)  # then asked about commits, as in ``receive``
+        try:
+            if path in self._committing:
+                raise Conflict(f"{path!r} is being committed; write another path, or this "
+                               "one again once the commit answered")
+            return self._adopt(path, fd, size)
+        finally:
+            self._busy.discard(path)
+
+    def _adopt(self, path: str, fd: int, size: int) -> dict[str, Any]:
+        key = _key(path)
+        before = os.fstat(fd)
+        if before.st_size != size:
+            raise Conflict(f"{path!r}: the file handed over holds {before.st_size} bytes, not "
+                           f"{size}; is it still being written?")
+        self._drop(key)
+        # Written down first, with a version no writer declares: a kill mid-copy leaves an
+        # upload that is never whole, that a send from 0 or the next handoff replaces.
+        self._begin(key, Upload(path, size, ADOPTING))
+        try:
+            digests = self._copy_in(key, fd, size)
+            after = os.fstat(fd)
+            if (after.st_size, after.st_mtime_ns) != (before.st_size, before.st_mtime_ns):
+                raise Conflict(f"{path!r} changed while it was copied in; hand it over once "
+                               "its writer is done")
+            up = Upload(path, size, integrity.version_id(size, self.block_size, digests))
+            up = self._check(key, up, digests)
+        except BaseException:
+            self._drop(key)
+            raise
+        return self._answer(up, size)
+
+    def _copy_in(self, key: str, fd: int, size: int) -> list[bytes]:
+        """``fd``'s first ``size`` bytes written into the part and flushed; their digests."""
+        part = _PartWriter.open(self.dir / f"{key}.part", 0, self.block_size)
+        try:
+            while part.at + part.held < size:
+                if not part.fill(fd, size - part.at - part.held):
+                    raise Conflict(f"the file handed over ended at {part.at + part.held} "
+                                   f"bytes, before its {size}")
+                if part.full:
+                    part.flush()
+            if part.held:
+                part.flush()
+        except OSError as exc:
+            if exc.errno in (errno.ENOSPC, errno.EDQUOT):
+                raise NoSpace(f"the disk filled while copying a file in: {exc.strerror}") \
+                    from exc
+            raise
+        finally:
+            part.close()
+        digests = part.digests()
+        assert digests is not None
+        return digests
 
     def _answer(self, up: Upload, received: int) -> dict[str, Any]:
         return {"path": up.path, "size": up.size, "version": up.version,
@@ -692,6 +758,18 @@ class _PartWriter:
     def open(cls, path: Path, at: int, digest: int | None) -> _PartWriter:
         fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_CLOEXEC, 0o600)
         return cls(fd, open_direct(path), at, digest)
+
+    @property
+    def full(self) -> bool:
+        return self.held == self._limit
+
+    def fill(self, fd: int, most: int) -> int:
+        """Up to ``most`` bytes read from ``fd`` (at the part's offset: a file copied whole)
+        straight into the buffer, as far as it has room; the count read, 0 at its end."""
+        room = min(most, self._limit - self.held)
+        n = os.preadv(fd, [self._view[self.held:self.held + room]], self.at + self.held)
+        self.held += n
+        return n
 
     def take(self, data: memoryview) -> memoryview:
         """As much of ``data`` as fits copied into the buffer; the rest, empty unless the

@@ -2,18 +2,20 @@
 
 from __future__ import annotations
 
+import asyncio
 from pathlib import Path
 
 from aiohttp import web
 
 from spokefs.spoke.config import SpokeConfig
+from spokefs.spoke.handoff import HandoffServer
 from spokefs.spoke.routes import SpokeRoutes, WriteRoutes
 from spokefs.spoke.service import SpokeBackend
 from spokefs.spoke.tier import peer_middleware
 from spokefs.wire.authz import JobOwners
 from spokefs.wire.routetable import Owner
 from spokefs.wire.run import serve_forever
-from spokefs.wire.server import RELOAD_KEY, build_app
+from spokefs.wire.server import AUTH_KEY, RELOAD_KEY, build_app
 
 
 def build_spoke_app(backend: SpokeBackend) -> web.Application:
@@ -29,7 +31,11 @@ def build_spoke_app(backend: SpokeBackend) -> web.Application:
 
     async def lifecycle(app: web.Application):
         await backend.start()
+        handoff = HandoffServer(backend.config.cache_dir, backend.writeback, app.get(AUTH_KEY),
+                                backend.audit, asyncio.get_running_loop())
+        handoff.start()
         yield
+        handoff.close()
         await backend.close()
 
     app.cleanup_ctx.append(lifecycle)

@@ -86,6 +86,7 @@ class WriteBack:
         self._incoming: dict[str, Incoming] = {}
         self._wake = asyncio.Event()
         self.sent_bytes = 0          # bytes uploaded to the hub by this process
+        self.handoff_files = self.handoff_bytes = 0  # same-host writers' (spoke.handoff)
         self.last_error: str | None = None
         self._refused: dict[tuple[str, str], int] = {}  # 422s from the hub, per upload
         # Uploads discarded here whose copy at the hub goes next (in memory: after a restart,
@@ -194,6 +195,11 @@ class WriteBack:
         yield commits
         yield CounterMetricFamily("spokefs_writeback_sent_bytes", "Bytes this spoke uploaded "
                                   "to its hub (write-back)", value=self.sent_bytes)
+        yield CounterMetricFamily("spokefs_writeback_handoff_bytes", "Bytes same-host "
+                                  "writers handed over by descriptor (spoke.handoff), not sent "
+                                  "over HTTP", value=self.handoff_bytes)
+        yield CounterMetricFamily("spokefs_writeback_handoff_files", "Files same-host writers "
+                                  "handed over by descriptor", value=self.handoff_files)
         yield CounterMetricFamily("spokefs_writeback_held_seconds", "Seconds uploads to the "
                                   "hub held a piece back while readers waited on it",
                                   value=self.held_s)
@@ -219,19 +225,39 @@ class WriteBack:
         inc = await self.incoming(ds)
         held_now = await asyncio.to_thread(inc.upload, path)
         if offset == 0 and (held_now is None or held_now.version != version):
-            held = await asyncio.to_thread(self.unsafe_bytes)
-            held -= held_now.size if held_now is not None else 0  # replaced by this one
-            if held + size > self.unsafe_quota:
-                log.error("write-back of %s/%s refused: %d bytes are not yet safe at the hub, "
-                          "the quota is %d (--unsafe-quota); is the link down? %s", ds, path,
-                          held, self.unsafe_quota, self.last_error or "")
-                raise NoSpace(f"the spoke holds {held} bytes not yet safe at the hub; "
-                              f"{size} more would pass its quota of {self.unsafe_quota} "
-                              "(--unsafe-quota): wait for the uploads to the hub")
+            await self._within_quota(ds, path, size, held_now)
         done = await inc.receive(path, size, version, offset, body)
         if done["whole"]:
             self._wake.set()
         return done
+
+    async def admit(self, ds: str, path: str, size: int) -> Incoming:
+        """Where a same-host handoff of ``path`` is copied in (``Incoming.adopt``, in the
+        handoff's own thread: a long copy holds no thread the loop's reads need), once its
+        bytes are within the quota. ``adopted`` after."""
+        inc = await self.incoming(ds)
+        await self._within_quota(ds, path, size, await asyncio.to_thread(inc.upload, path))
+        return inc
+
+    def adopted(self, size: int) -> None:
+        """A handoff of ``size`` bytes was held whole (the loop's thread)."""
+        self.handoff_files += 1
+        self.handoff_bytes += size
+        self._wake.set()
+
+    async def _within_quota(self, ds: str, path: str, size: int, held_now: Upload | None
+                            ) -> None:
+        """NoSpace (and a log line) if ``size`` new bytes of ``path`` would pass
+        ``--unsafe-quota``; what is held of ``path`` now is replaced, so not counted."""
+        held = await asyncio.to_thread(self.unsafe_bytes)
+        held -= held_now.size if held_now is not None else 0
+        if held + size > self.unsafe_quota:
+            log.error("write-back of %s/%s refused: %d bytes are not yet safe at the hub, "
+                      "the quota is %d (--unsafe-quota); is the link down? %s", ds, path,
+                      held, self.unsafe_quota, self.last_error or "")
+            raise NoSpace(f"the spoke holds {held} bytes not yet safe at the hub; "
+                          f"{size} more would pass its quota of {self.unsafe_quota} "
+                          "(--unsafe-quota): wait for the uploads to the hub")
 
     async def discard(self, ds: str, path: str) -> None:
         """Drop an upload here, and next its copy at the hub (sent there already, or being

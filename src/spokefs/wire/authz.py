@@ -108,6 +108,13 @@ def _on_unix_socket(request: web.Request) -> bool:
     return sock is not None and sock.family == socket.AF_UNIX
 
 
+def check_write(token: Token, ds: str | None) -> None:
+    """Forbidden unless ``token`` may write ``ds`` (an upload's route, a same-host handoff)."""
+    if not token.may_write(ds):
+        raise Forbidden(f"token {token.name!r} ({token.scope}) may not write dataset {ds!r}: "
+                        f"that needs a write:{ds} or admin token")
+
+
 def auth_middleware(tokens: TokenFile, internal_key: Callable[[], bytes | None] | None = None,
                     jobs: JobOwners | None = None, audit: Audit | None = None) -> Callable:
     """``internal_key``: the cache folder's key (a spoke), or None. ``jobs``: where job
@@ -143,9 +150,7 @@ def auth_middleware(tokens: TokenFile, internal_key: Callable[[], bytes | None] 
                                 f"{ds!r}")
         if route.scope is Scope.WRITE:
             ds = _dataset_of(request)
-            if not token.may_write(ds):
-                raise Forbidden(f"token {token.name!r} ({token.scope}) may not write dataset "
-                                f"{ds!r}: that needs a write:{ds} or admin token")
+            check_write(token, ds)
 
     async def checked(request: web.Request, handler: Callable) -> web.StreamResponse:
         route = route_of(request)
