@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from spokefs.mount.process import MountError, MountProcess, fuse_unusable
-from test_writeback import WRITER, Site, _published
+from test_writeback import WRITER, Site, _published, handoffs
 
 pytestmark = pytest.mark.skipif(fuse_unusable() is not None, reason=str(fuse_unusable()))
 
@@ -30,7 +30,11 @@ def _wait_published(site: Site, want: set[str], timeout: float = 30.0) -> dict[s
     raise AssertionError(f"not published within {timeout}s: {sorted(want - set(_published(site)))}")
 
 
-def test_a_checkpoint_written_through_the_mount_is_published_whole(tmp_path: Path) -> None:
+@pytest.mark.parametrize("way", ["handoff", "http"])
+def test_a_checkpoint_written_through_the_mount_is_published_whole(tmp_path: Path, way: str
+                                                                    ) -> None:
+    """On the spoke's host each closed file is handed to the spoke by descriptor; without
+    the short circuit (another host, as far as the mount knows) it is sent over HTTP."""
     site = Site(tmp_path)
     site.start_hub()
     site.start_spoke()
@@ -40,6 +44,9 @@ def test_a_checkpoint_written_through_the_mount_is_published_whole(tmp_path: Pat
     shards = {f"__{i}_0.distcp": os.urandom(300_000 + i) for i in range(3)}
     try:
         with MountProcess(f"{site.spoke.url}/ckpt", mp, "--writable", "--engine", "native",
+                          # A write token does not see where the spoke's cache is: told.
+                          *(["--no-short-circuit"] if way == "http"
+                            else ["--spoke-cache", str(tmp_path / "cache")]),
                           env={"SPOKEFS_TOKEN": WRITER,
                                "SPOKEFS_STAGING": str(tmp_path)}):
             # The snapshot's own files stay read-only.
@@ -67,6 +74,9 @@ def test_a_checkpoint_written_through_the_mount_is_published_whole(tmp_path: Pat
             (mp / "step-1" / ".metadata.tmp").write_bytes(b"meta")
             os.rename(mp / "step-1" / ".metadata.tmp", mp / "step-1" / ".metadata")
             got = _wait_published(site, {f"step-1/{n}" for n in [*shards, ".metadata"]})
+            # Each close with new bytes and the rename, by descriptor or all over HTTP: the
+            # shards, the scratch file, .metadata.tmp, then .metadata.
+            assert handoffs(site) == (len(shards) + 3 if way == "handoff" else 0)
             assert not {"step-1/.metadata.tmp", "step-1/scratch"} & set(got)
             # Published: its staging copy is gone; it is read from a newer snapshot.
             with pytest.raises(OSError) as e:

@@ -179,9 +179,12 @@ async def serve_native(opts: MountOptions, mountpoint: Path, source: UpstreamSou
         staging=None if staging is None else str(staging))
     writes = None
     if uploader is not None:
+        from spokefs.client.handoff import socket_path
         from spokefs.mount.writes import MountWrites
 
-        writes = MountWrites(mount, uploader, opts.commit_marker)
+        # On the spoke's host, finished files are handed to it by descriptor.
+        handoff = socket_path(sc["cache_dir"]) if sc is not None else None
+        writes = MountWrites(mount, uploader, opts.commit_marker, handoff, client_token())
     dataset, snapshot = m.dataset, m.snapshot
     del m, manifest
     await source.close()  # the setup's HTTP clients; the daemon has its own

@@ -15,12 +15,14 @@ from __future__ import annotations
 
 import errno
 import logging
+import os
 import posixpath
 import threading
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
+from spokefs.client.handoff import HandoffUnavailable, hand_off
 from spokefs.client.uploads import Uploader
 from spokefs.errors import (
     Conflict,
@@ -28,6 +30,7 @@ from spokefs.errors import (
     NoSpace,
     NotFound,
     SpokeError,
+    Transient,
     Unauthorized,
 )
 
@@ -55,10 +58,15 @@ def errno_of(exc: BaseException) -> int:
 class MountWrites:
     """Answers one native mount's write requests until the mount is closed."""
 
-    def __init__(self, mount: Any, uploader: Uploader, commit_marker: str | None) -> None:
+    def __init__(self, mount: Any, uploader: Uploader, commit_marker: str | None,
+                 handoff: Path | None = None, token: str | None = None) -> None:
         self.mount = mount
         self.up = uploader
         self.marker = commit_marker
+        # The spoke's handoff socket when it runs on this host (the short circuit found its
+        # cache folder), and the token it is shown; None: every file goes over HTTP.
+        self.handoff, self.token = handoff, token
+        self.handed = self.sent = 0  # files handed over by descriptor, and sent over HTTP
         self._pool = ThreadPoolExecutor(UPLOADS_AT_ONCE, thread_name_prefix="spokefs-upload")
         self._thread = threading.Thread(target=self._run, name="spokefs-writes", daemon=True)
 
@@ -94,10 +102,33 @@ class MountWrites:
             return None
         assert staged is not None
         target = to if kind == "rename" and to is not None else path
-        self.up.put(target, Path(staged))
+        self._put(target, Path(staged))
         if kind == "rename" and uploaded:
             self._discard(path)
         return self._maybe_commit(target)
+
+    def _put(self, path: str, staged: Path) -> None:
+        """``staged`` held whole by the spoke as ``path``: handed over by descriptor where
+        the spoke is on this host, else (or where it cannot take it) sent over HTTP."""
+        if self.handoff is not None:
+            with open(staged, "rb") as f:
+                try:
+                    hand_off(self.handoff, self.token, self.up.dataset, path, f.fileno(),
+                             os.fstat(f.fileno()).st_size)
+                    self.handed += 1
+                    return
+                except HandoffUnavailable as exc:
+                    log.info("mount: %s goes over HTTP: %s", path, exc)
+                except (Unauthorized, Forbidden, NoSpace, NotFound):
+                    raise  # what the HTTP route would answer too
+                except (SpokeError, Transient) as exc:
+                    # A descriptor the spoke would not read, a file changed, a check that
+                    # timed out: nothing is held of it at the spoke, and HTTP (with its own
+                    # retries) does not depend on any of that.
+                    log.warning("mount: the spoke did not take %s by handoff (%s); sending it "
+                                "over HTTP", path, exc)
+        self.up.put(path, staged)
+        self.sent += 1
 
     def _discard(self, path: str) -> None:
         try:
