@@ -45,7 +45,6 @@ test: $(STAMP)
 lint: $(STAMP)
 	$(BIN)/ruff check src tests
 	$(CARGO) fmt --check
-	$(BIN)/ruff format --check src tests
 
 clean:
 	rm -rf $(VENV) build src/*.egg-info .pytest_cache native/target src/spokefs/_native*.so
