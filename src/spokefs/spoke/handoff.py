@@ -62,7 +62,7 @@ def fs_type(fd: int) -> str:
                   "mount table")
 
 
-def check_file(fd: int, size: int) -> None:
+def check_file(fd: int) -> None:
     """BadRequest unless ``fd`` is a regular file the spoke may read without waiting on
     another daemon."""
     st = os.fstat(fd)
@@ -72,8 +72,6 @@ def check_file(fd: int, size: int) -> None:
     if kind in FUSE_TYPES or kind.startswith("fuse."):
         raise BadRequest(f"a handoff's file may not lie on a FUSE filesystem ({kind}): send "
                          "it over HTTP")
-    if size < 0:
-        raise BadRequest(f"an upload's size must be 0 or more, not {size}")
 
 
 class HandoffServer:
@@ -174,7 +172,7 @@ class HandoffServer:
                 who = self.tokens.check(f"Bearer {token}" if token else None)
                 token_name = who.name
                 check_write(who, ds)
-            check_file(fds[0], size)
+            check_file(fds[0])
             inc = asyncio.run_coroutine_threadsafe(self.wb.admit(ds, path, size),
                                                    self.loop).result(CHECK_TIMEOUT_S)
             done = inc.adopt(path, fds[0], size)
