@@ -159,6 +159,19 @@ def _cpu() -> float:
     return t.user + t.system
 
 
+def _disk_written() -> int:
+    """Bytes written to this machine's block devices so far (``/sys/block/*/stat``: whole
+    devices, not their partitions; loop and RAM disks left out): what a save costs the disk,
+    page-cache flushes included."""
+    total = 0
+    for dev in Path("/sys/block").iterdir():
+        if dev.name.startswith(("loop", "ram", "zram")):
+            continue
+        with contextlib.suppress(OSError, IndexError, ValueError):
+            total += int((dev / "stat").read_text().split()[6]) * 512  # sectors written
+    return total
+
+
 def _save(target: str, writers: int, size: int, staging: Path) -> dict[str, Any]:
     """Every writer's shard, then the coordinator's ``.metadata``: the seconds until the save
     returned, and the writers' CPU-seconds."""
@@ -349,10 +362,11 @@ def _bench(args: argparse.Namespace, work: Path) -> dict[str, Any]:
             return out
 
         def timed(name: str, target: str) -> dict[str, Any]:
-            c0 = cpu()
+            c0, d0 = cpu(), _disk_written()
             r = _save(target, args.writers, args.size, work / "staging")
             c1 = cpu()
             r["cpu_s"] = {k: round(c1[k] - c0.get(k, 0.0), 3) for k in c1}
+            r["disk_written_bytes"] = _disk_written() - d0
             saves[name] = r
             print(f"save {name}: {format_size(r['bytes'])} in {r['seconds']:.2f}s", flush=True)
             return r
@@ -455,10 +469,11 @@ def _print(doc: dict[str, Any]) -> None:
     rows = []
     for name, r in doc["saves"].items():
         cpu = r["cpu_s"]
-        rows.append([name, r["seconds"], r.get("safe_s", ""), r["writer_cpu_s"],
+        rows.append([name, r["seconds"], r.get("safe_s", ""),
+                     format_size(r.get("disk_written_bytes", 0)), r["writer_cpu_s"],
                      cpu.get("mount", ""), cpu["spoke"], cpu["wan"], cpu["hub"]])
-    print(table(rows, ["save", "blocks s", "safe at hub s", "writers CPU-s", "mount CPU-s",
-                       "spoke CPU-s", "wan CPU-s", "hub CPU-s"]))
+    print(table(rows, ["save", "blocks s", "safe at hub s", "disk written", "writers CPU-s",
+                       "mount CPU-s", "spoke CPU-s", "wan CPU-s", "hub CPU-s"]))
     rows = []
     for name, r in doc["restores"].items():
         cpu = r["cpu_s"]
