@@ -66,7 +66,9 @@ class MountWrites:
         # The spoke's handoff socket when it runs on this host (the short circuit found its
         # cache folder), and the token it is shown; None: every file goes over HTTP.
         self.handoff, self.token = handoff, token
-        self.handed = self.sent = 0  # files handed over by descriptor, and sent over HTTP
+        # Files handed over by descriptor, and sent over HTTP (for the log at unmount).
+        self.handed = self.sent = 0
+        self._counted = threading.Lock()  # the upload threads count together
         self._pool = ThreadPoolExecutor(UPLOADS_AT_ONCE, thread_name_prefix="spokefs-upload")
         self._thread = threading.Thread(target=self._run, name="spokefs-writes", daemon=True)
 
@@ -76,6 +78,9 @@ class MountWrites:
     def join(self, timeout: float | None = None) -> None:
         self._thread.join(timeout)
         self._pool.shutdown(wait=False, cancel_futures=True)
+        if self.handed or self.sent:
+            log.info("mount: %d files handed to the spoke by descriptor, %d sent over HTTP",
+                     self.handed, self.sent)
 
     def _run(self) -> None:
         while (asks := self.mount.take_writes(WAIT_STEP)) is not None:
@@ -115,7 +120,8 @@ class MountWrites:
                 try:
                     hand_off(self.handoff, self.token, self.up.dataset, path, f.fileno(),
                              os.fstat(f.fileno()).st_size)
-                    self.handed += 1
+                    with self._counted:
+                        self.handed += 1
                     return
                 except HandoffUnavailable as exc:
                     log.info("mount: %s goes over HTTP: %s", path, exc)
@@ -128,7 +134,8 @@ class MountWrites:
                     log.warning("mount: the spoke did not take %s by handoff (%s); sending it "
                                 "over HTTP", path, exc)
         self.up.put(path, staged)
-        self.sent += 1
+        with self._counted:
+            self.sent += 1
 
     def _discard(self, path: str) -> None:
         try:
