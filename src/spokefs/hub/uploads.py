@@ -31,6 +31,7 @@ region per dataset (docs/checkpoints.md); the hub serialises uploads of one path
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import errno
 import hashlib
 import json
@@ -39,7 +40,7 @@ import mmap
 import os
 import stat as statmod
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -104,6 +105,13 @@ class Upload:
         return cls(str(doc["path"]), int(doc["size"]), str(doc["version"]),
                    bytes.fromhex(digests) if digests is not None else None,
                    (int(ident[0]), int(ident[1]), int(ident[2])) if ident else None)
+
+
+def _no_space(exc: OSError, doing: str) -> NoSpace | None:
+    """``exc`` as NoSpace (507, ENOSPC at a writer) if the disk filled while ``doing``."""
+    if exc.errno in (errno.ENOSPC, errno.EDQUOT):
+        return NoSpace(f"the disk filled while {doing}: {exc.strerror}")
+    return None
 
 
 def _key(path: str) -> str:
@@ -226,6 +234,13 @@ class Incoming:
         """Bytes of ``path`` from ``offset`` (the bytes received so far), flushed before it
         returns; the last byte checks the whole file against ``version``. ``wrote``: told
         the count of each gathered write."""
+        with self._receiving(path, size):
+            return await self._receive(path, size, version, offset, body, wrote)
+
+    @contextlib.contextmanager
+    def _receiving(self, path: str, size: int) -> Iterator[None]:
+        """``path`` marked as being received (one writer at a time, none while a commit
+        publishes it) for the block's length: a ``receive`` or an ``adopt``."""
         if not 0 <= size <= MAX_FILE:
             raise BadRequest(f"an upload's size must be 0..{MAX_FILE} bytes, not {size}")
         if path in self._busy:
@@ -237,7 +252,7 @@ class Incoming:
             if path in self._committing:
                 raise Conflict(f"{path!r} is being committed; write another path, or this "
                                "one again once the commit answered")
-            return await self._receive(path, size, version, offset, body, wrote)
+            yield
         finally:
             self._busy.discard(path)
 
@@ -274,18 +289,8 @@ class Incoming:
         the one its bytes digest to: nothing crossed a wire to be checked against. All or
         nothing: a copy that fails, or a file that changed while it was read (409), leaves no
         upload of ``path`` held; the writer hands it over again, or sends it."""
-        if not 0 <= size <= MAX_FILE:
-            raise BadRequest(f"an upload's size must be 0..{MAX_FILE} bytes, not {size}")
-        if path in self._busy:
-            raise Conflict(f"an upload of {path!r} is already being received")
-        self._busy.add(path)  # then asked about commits, as in ``receive``
-        try:
-            if path in self._committing:
-                raise Conflict(f"{path!r} is being committed; write another path, or this "
-                               "one again once the commit answered")
+        with self._receiving(path, size):
             return self._adopt(path, fd, size)
-        finally:
-            self._busy.discard(path)
 
     def _adopt(self, path: str, fd: int, size: int) -> dict[str, Any]:
         key = _key(path)
@@ -323,10 +328,9 @@ class Incoming:
             if part.held:
                 part.flush()
         except OSError as exc:
-            if exc.errno in (errno.ENOSPC, errno.EDQUOT):
-                raise NoSpace(f"the disk filled while copying a file in: {exc.strerror}") \
-                    from exc
-            raise
+            if (full := _no_space(exc, "copying a file in")) is None:
+                raise
+            raise full from exc
         finally:
             part.close()
         digests = part.digests()
@@ -370,10 +374,9 @@ class Incoming:
                 if part.held:
                     wrote(await asyncio.to_thread(part.flush))
         except OSError as exc:
-            if exc.errno in (errno.ENOSPC, errno.EDQUOT):
-                raise NoSpace(f"the hub's disk filled while receiving: {exc.strerror}; "
-                              f"resume from the bytes held") from exc
-            raise
+            if (full := _no_space(exc, "receiving; resume from the bytes held")) is None:
+                raise
+            raise full from exc
         finally:
             # What was written is flushed before any answer counts it (a client gone midway
             # included: it resumes from the length, and the last byte's check catches a
