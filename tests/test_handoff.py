@@ -8,7 +8,9 @@ from __future__ import annotations
 import json
 import os
 import socket
+import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -144,20 +146,10 @@ def test_without_a_spoke_the_writer_is_told_to_send_over_http(tmp_path: Path) ->
         hand_off(tmp_path / "handoff.sock", WRITER, "ckpt", "a", f.fileno(), 1)
 
 
-def test_a_spoke_killed_mid_handoff_holds_nothing_half_and_takes_it_again(
-        tmp_path: Path) -> None:
-    """kill -9 of the spoke while it copies a file in: after the restart the upload is not
-    whole (never sent to the hub, never committed), and the handoff made again holds it
-    whole."""
-    import threading
-
-    site = Site(tmp_path)
-    site.start_hub()
-    site.start_spoke()
-    assert site.spoke is not None
-    big = tmp_path / "big"
-    big.write_bytes(os.urandom(256 << 20))
-    incoming = tmp_path / "cache" / "writeback" / "ckpt" / "data" / INCOMING
+def _while_copying(site: Site, big: Path, act: Callable[[], object]) -> list[BaseException]:
+    """``big`` handed over in a thread; ``act`` run once the spoke is seen copying it in (the
+    upload's metadata says ``adopting``); what the handoff raised, once it has ended."""
+    incoming = site.tmp / "cache" / "writeback" / "ckpt" / "data" / INCOMING
     failed: list[BaseException] = []
 
     def give() -> None:
@@ -166,21 +158,38 @@ def test_a_spoke_killed_mid_handoff_holds_nothing_half_and_takes_it_again(
         except BaseException as exc:
             failed.append(exc)
 
+    t = threading.Thread(target=give)
+    t.start()
+    seen = False
+    t0 = time.monotonic()
+    while time.monotonic() - t0 < 30 and not seen:
+        for meta in incoming.glob("*.json") if incoming.is_dir() else []:
+            try:
+                seen = json.loads(meta.read_bytes())["version"] == ADOPTING
+            except (ValueError, FileNotFoundError):
+                continue
+        time.sleep(0.001)
     try:
-        t = threading.Thread(target=give)
-        t.start()
-        seen = False
-        t0 = time.monotonic()
-        while time.monotonic() - t0 < 30 and not seen:
-            for meta in incoming.glob("*.json") if incoming.is_dir() else []:
-                try:
-                    seen = json.loads(meta.read_bytes())["version"] == ADOPTING
-                except (ValueError, FileNotFoundError):
-                    continue
-            time.sleep(0.001)
         assert seen, "the copy was never seen under way"
-        site.spoke.kill()
+        act()
+    finally:
         t.join(30)
+    return failed
+
+
+def test_a_spoke_killed_mid_handoff_holds_nothing_half_and_takes_it_again(
+        tmp_path: Path) -> None:
+    """kill -9 of the spoke while it copies a file in: after the restart the upload is not
+    whole (never sent to the hub, never committed), and the handoff made again holds it
+    whole."""
+    site = Site(tmp_path)
+    site.start_hub()
+    site.start_spoke()
+    assert site.spoke is not None
+    big = tmp_path / "big"
+    big.write_bytes(os.urandom(256 << 20))
+    try:
+        failed = _while_copying(site, big, site.spoke.kill)
         assert failed and isinstance(failed[0], HandoffUnavailable | SpokeError), failed
         site.start_spoke()
         held = _held(site)
@@ -195,3 +204,26 @@ def test_a_spoke_killed_mid_handoff_holds_nothing_half_and_takes_it_again(
         assert (site.ckpt / "step-1" / "big.distcp").read_bytes() == big.read_bytes()
     finally:
         site.close()
+
+
+def test_a_file_written_while_it_is_copied_in_is_refused_whole(site: Site,
+                                                                tmp_path: Path) -> None:
+    """A writer that goes on writing after it handed its file over (a bug, or a second
+    writer): the copy the spoke made is not what the file now holds, so it is dropped and
+    the writer told (409); handed over again once it is done, the file is held as it is
+    then."""
+    big = tmp_path / "big"
+    big.write_bytes(os.urandom(256 << 20))
+
+    def grow() -> None:
+        with open(big, "ab") as f:
+            f.write(b"written after the handoff")
+
+    failed = _while_copying(site, big, grow)
+    assert len(failed) == 1 and isinstance(failed[0], Conflict), failed
+    assert "changed while it was copied in" in str(failed[0])
+    assert _held(site) == []
+    got = _give(site, "step-1/big.distcp", big)
+    with open(big, "rb") as f:
+        assert (got["size"], got["version"]) == file_version(f, BLOCK)
+    assert [u["whole"] for u in _held(site)] == [True]
