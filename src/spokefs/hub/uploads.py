@@ -240,7 +240,7 @@ class Incoming:
     @contextlib.contextmanager
     def _receiving(self, path: str, size: int) -> Iterator[None]:
         """``path`` marked as being received (one writer at a time, none while a commit
-        publishes it) for the block's length: a ``receive`` or an ``adopt``."""
+        publishes it) while the ``with`` body runs: a ``receive`` or an ``adopt``."""
         if not 0 <= size <= MAX_FILE:
             raise BadRequest(f"an upload's size must be 0..{MAX_FILE} bytes, not {size}")
         if path in self._busy:
