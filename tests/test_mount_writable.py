@@ -163,3 +163,48 @@ def test_a_mount_killed_mid_save_loses_no_closed_file(tmp_path: Path) -> None:
         assert not (site.ckpt / "step-1" / "__2_0.distcp").exists()
     finally:
         site.close()
+
+
+def _passthrough_offered() -> bool:
+    """FUSE passthrough with multigrain timestamps: Linux 6.13 or later, a mount by root."""
+    release = tuple(int(x) for x in os.uname().release.split("-")[0].split(".")[:2])
+    return os.geteuid() == 0 and release >= (6, 13)
+
+
+@pytest.mark.parametrize("passthrough", ["auto", "off"])
+def test_a_change_right_after_an_fsync_is_uploaded_at_close(tmp_path: Path, passthrough: str
+                                                            ) -> None:
+    """A close uploads what changed since the fsync's upload, a same-size overwrite made
+    microseconds later included: in passthrough the kernel writes the staging file and the
+    mount knows the change only by that file's stamp (its ctime). The log says which way
+    the writes went."""
+    site = Site(tmp_path)
+    site.start_hub()
+    site.start_spoke()
+    assert site.spoke is not None
+    mp = tmp_path / "mnt"
+    mp.mkdir()
+    first, second = os.urandom(300_000), os.urandom(300_000)
+    try:
+        with MountProcess(f"{site.spoke.url}/ckpt", mp, "--writable", "--engine", "native",
+                          "--write-passthrough", passthrough,
+                          "--spoke-cache", str(tmp_path / "cache"),
+                          env={"SPOKEFS_TOKEN": WRITER,
+                               "SPOKEFS_STAGING": str(tmp_path)}) as m:
+            (mp / "s").mkdir()
+            fd = os.open(mp / "s" / "a.distcp", os.O_WRONLY | os.O_CREAT, 0o644)
+            try:
+                os.write(fd, first)
+                os.fsync(fd)                # uploaded: the spoke holds `first`
+                os.pwrite(fd, second, 0)    # then overwritten, the size unchanged
+            finally:
+                os.close(fd)                # uploaded again
+            assert (mp / "s" / "a.distcp").read_bytes() == second
+            (mp / "s" / ".metadata").write_bytes(b"meta")
+            _wait_published(site, {"s/a.distcp", "s/.metadata"})
+            said = "".join(m.output)
+        assert (site.ckpt / "s" / "a.distcp").read_bytes() == second
+        assert ("writes new files to their staging files itself" in said) == (
+            passthrough == "auto" and _passthrough_offered()), said
+    finally:
+        site.close()

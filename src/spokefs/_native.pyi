@@ -47,7 +47,8 @@ class Mount:
                  short_circuit: dict[str, object] | None = None, workers: int = 32,
                  connections: int = 32, file_uid: int | None = None,
                  file_gid: int | None = None, file_mode: int | None = None,
-                 dir_mode: int | None = None, staging: str | None = None) -> None: ...
+                 dir_mode: int | None = None, staging: str | None = None,
+                 write_passthrough: bool = True) -> None: ...
     def take_writes(self, timeout_s: float) -> list[
             tuple[int, str, str, str | None, str | None, bool]] | None:
         """A writable mount's requests (``staging`` given): (id, "put", path, None, staged,

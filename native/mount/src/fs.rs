@@ -21,10 +21,10 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use fuser::{
-    AccessFlags, BsdFileFlags, Errno, FileAttr, FileHandle, FileType, Filesystem, FopenFlags,
-    Generation, INodeNo, InitFlags, KernelConfig, LockOwner, OpenAccMode, OpenFlags, RenameFlags,
-    ReplyAttr, ReplyCreate, ReplyData, ReplyDirectory, ReplyDirectoryPlus, ReplyEmpty, ReplyEntry,
-    ReplyOpen, ReplyStatfs, ReplyWrite, ReplyXattr, Request, TimeOrNow, WriteFlags,
+    AccessFlags, BackingId, BsdFileFlags, Errno, FileAttr, FileHandle, FileType, Filesystem,
+    FopenFlags, Generation, INodeNo, InitFlags, KernelConfig, LockOwner, OpenAccMode, OpenFlags,
+    RenameFlags, ReplyAttr, ReplyCreate, ReplyData, ReplyDirectory, ReplyDirectoryPlus, ReplyEmpty,
+    ReplyEntry, ReplyOpen, ReplyStatfs, ReplyWrite, ReplyXattr, Request, TimeOrNow, WriteFlags,
 };
 
 use crate::events::{Events, Level};
@@ -33,7 +33,7 @@ use crate::pool::Pool;
 use crate::shortcircuit::{ScRead, ShortCircuit};
 use crate::table::{Attr, InodeTable};
 use crate::units::{Streams, UnitReader};
-use crate::writes::{Ask, Kind, Node, Overlay, Writes, Written, valid_name};
+use crate::writes::{Ask, Kind, Node, Overlay, Stamp, Writes, Written, valid_name};
 
 /// How long the kernel may trust entries and attributes: a snapshot is immutable.
 pub const CACHE_TIMEOUT: Duration = Duration::from_secs(86400);
@@ -53,6 +53,8 @@ pub struct Counters {
     pub write_bytes: AtomicU64,
     pub uploads: AtomicU64,
     pub upload_errors: AtomicU64,
+    /// Files created in kernel passthrough (their writes are not counted above).
+    pub passthrough_files: AtomicU64,
 }
 
 /// Everything a read needs, shared by the session thread and the workers.
@@ -154,18 +156,26 @@ impl SnapshotFs {
     }
 
     fn node_attr(&self, ino: u64, n: &Node) -> FileAttr {
-        let (kind, size) = match &n.kind {
-            Kind::Dir => (FileType::Directory, 0),
-            Kind::File(w) => (FileType::RegularFile, w.size),
+        let (kind, size, mtime) = match &n.kind {
+            Kind::Dir => (FileType::Directory, 0, n.mtime),
+            // In passthrough the kernel writes the staging file: its size and mtime are the
+            // file's (this mount never saw the writes).
+            Kind::File(w) => match w.file.as_ref().filter(|_| w.backing.is_some()) {
+                Some(f) => match f.metadata() {
+                    Ok(m) => (FileType::RegularFile, m.len(), m.modified().unwrap_or(n.mtime)),
+                    Err(_) => (FileType::RegularFile, w.size, n.mtime),
+                },
+                None => (FileType::RegularFile, w.size, n.mtime),
+            },
         };
         FileAttr {
             ino: INodeNo(ino),
             size,
             blocks: size.div_ceil(512),
-            atime: n.mtime,
-            mtime: n.mtime,
-            ctime: n.mtime,
-            crtime: n.mtime,
+            atime: mtime,
+            mtime,
+            ctime: mtime,
+            crtime: mtime,
             kind,
             perm: n.perm,
             nlink: 1,
@@ -201,6 +211,32 @@ impl SnapshotFs {
         Ok((w, name.to_owned()))
     }
 
+    /// A new staging file registered with the kernel for passthrough, where it is on; the
+    /// first refusal (no CAP_SYS_ADMIN) turns it off for the mount, with one log line.
+    fn backing(&self, w: &Writes, f: &File, reply: &ReplyCreate) -> Option<Arc<BackingId>> {
+        if !w.passthrough() {
+            return None;
+        }
+        match reply.open_backing(f) {
+            Ok(b) => {
+                self.core.counters.passthrough_files.fetch_add(1, Ordering::Relaxed);
+                Some(Arc::new(b))
+            }
+            Err(e) => {
+                if w.passthrough.swap(false, Ordering::Relaxed) {
+                    self.core.events.log(
+                        Level::Warning,
+                        format!(
+                            "writes go through the mount: the kernel refused passthrough \
+                                 ({e}; it needs CAP_SYS_ADMIN)"
+                        ),
+                    );
+                }
+                None
+            }
+        }
+    }
+
     /// The inode this mount made named `name` in `parent`.
     fn made(&self, parent: u64, name: &OsStr) -> Option<u64> {
         let w = self.core.writes.as_ref()?;
@@ -212,7 +248,7 @@ impl SnapshotFs {
 /// Upload a written file if it has changes the spoke does not hold (a close or an fsync);
 /// runs on a writer thread, and answers once the spoke holds them durably.
 fn upload(core: &Core, w: &Writes, ino: u64) -> Result<(), Errno> {
-    let (path, staged, changes) = {
+    let (path, staged, mark) = {
         let o = w.lock();
         let Some(Node { kind: Kind::File(f), .. }) = o.nodes.get(&ino) else {
             return Ok(()); // unlinked meanwhile
@@ -220,7 +256,7 @@ fn upload(core: &Core, w: &Writes, ino: u64) -> Result<(), Errno> {
         if !f.dirty() || f.file.is_none() {
             return Ok(());
         }
-        (o.path(&core.table, ino).ok_or(Errno::ENOENT)?, f.staged.clone(), f.changes)
+        (o.path(&core.table, ino).ok_or(Errno::ENOENT)?, f.staged.clone(), f.mark())
     };
     let answer = w.queue.ask(Ask::Put { path, staged });
     if answer.errno != 0 {
@@ -228,21 +264,25 @@ fn upload(core: &Core, w: &Writes, ino: u64) -> Result<(), Errno> {
         return Err(Errno::from_i32(answer.errno));
     }
     core.counters.uploads.fetch_add(1, Ordering::Relaxed);
-    uploaded(&core.table, &mut w.lock(), ino, changes, answer.committed);
+    uploaded(&core.table, &mut w.lock(), ino, mark, answer.committed);
     Ok(())
 }
 
-/// After Python uploaded `ino` with its first `changes` changes: the spoke holds them, and
-/// a folder it committed with them loses its staging copies.
+/// After Python uploaded `ino` as it was at `mark` (its first changes, its staging file's
+/// stamp: `Written::mark`, taken before the upload began): the spoke holds them, and a
+/// folder it committed with them loses its staging copies.
 fn uploaded(
     table: &InodeTable,
     o: &mut Overlay,
     ino: u64,
-    changes: u64,
+    (changes, stamp): (u64, Option<Stamp>),
     committed: Option<String>,
 ) {
     if let Some(Node { kind: Kind::File(f), .. }) = o.nodes.get_mut(&ino) {
         f.uploaded = f.uploaded.max(changes);
+        if stamp.is_some() {
+            f.stamp = stamp;
+        }
         f.at_spoke = true;
     }
     if let Some(prefix) = committed {
@@ -254,7 +294,8 @@ fn uploaded(
 
 /// What this mount made at an inode.
 enum Staged {
-    File(Arc<File>),
+    /// Its staging file, and the backing id its opens answer with (passthrough).
+    File(Arc<File>, Option<Arc<BackingId>>),
     Dir,
     /// A file published at the hub: its staging copy is gone, and it lives in a newer
     /// snapshot than this mount's.
@@ -264,7 +305,10 @@ enum Staged {
 fn staged_file(w: &Writes, ino: u64) -> Option<Staged> {
     Some(match &w.lock().nodes.get(&ino)?.kind {
         Kind::Dir => Staged::Dir,
-        Kind::File(f) => f.file.clone().map_or(Staged::Published, Staged::File),
+        Kind::File(f) => match &f.file {
+            Some(file) => Staged::File(file.clone(), f.backing.clone()),
+            None => Staged::Published,
+        },
     })
 }
 
@@ -379,6 +423,24 @@ impl Filesystem for SnapshotFs {
         let _ = config
             .add_capabilities(InitFlags::FUSE_DO_READDIRPLUS | InitFlags::FUSE_READDIRPLUS_AUTO);
         let _ = config.add_capabilities(InitFlags::FUSE_PARALLEL_DIROPS);
+        if let Some(w) = &self.core.writes
+            && w.passthrough()
+        {
+            // Depth 1: the staging files sit on a plain filesystem, not another stack.
+            let granted = config.capabilities().contains(InitFlags::FUSE_PASSTHROUGH)
+                && config.set_max_stack_depth(1).is_ok()
+                && config.add_capabilities(InitFlags::FUSE_PASSTHROUGH).is_ok();
+            w.passthrough.store(granted, Ordering::Relaxed);
+            self.core.events.log(
+                Level::Info,
+                if granted {
+                    "writes: the kernel writes new files to their staging files itself \
+                     (FUSE passthrough)"
+                } else {
+                    "writes go through the mount: the kernel offers no FUSE passthrough"
+                },
+            );
+        }
         if let Some(tx) = self.ready.lock().unwrap_or_else(|e| e.into_inner()).take() {
             let _ = tx.send(Ok(()));
         }
@@ -479,7 +541,7 @@ impl Filesystem for SnapshotFs {
         let writable = self.core.writes.as_ref().is_some_and(|w| {
             // New files go into any folder; a file this mount made, until it is published.
             self.core.table.is_dir(ino.0)
-                || matches!(staged_file(w, ino.0), Some(Staged::File(_) | Staged::Dir))
+                || matches!(staged_file(w, ino.0), Some(Staged::File(..) | Staged::Dir))
         });
         if mask.contains(AccessFlags::W_OK) && !writable {
             reply.error(Errno::EROFS);
@@ -510,7 +572,7 @@ impl Filesystem for SnapshotFs {
         if t.file_index(ino.0).is_none() {
             if let Some(w) = &self.core.writes {
                 match staged_file(w, ino.0) {
-                    Some(Staged::File(f)) => {
+                    Some(Staged::File(f, backing)) => {
                         if flags.0 & libc::O_TRUNC != 0 && writing {
                             if let Err(e) = f.set_len(0) {
                                 reply.error(io_errno(&e));
@@ -524,7 +586,12 @@ impl Filesystem for SnapshotFs {
                                 *mtime = SystemTime::now();
                             }
                         }
-                        reply.opened(FileHandle(ino.0), FopenFlags::empty());
+                        match backing {
+                            Some(b) => {
+                                reply.opened_passthrough(FileHandle(ino.0), FopenFlags::empty(), &b)
+                            }
+                            None => reply.opened(FileHandle(ino.0), FopenFlags::empty()),
+                        }
                         return;
                     }
                     Some(Staged::Published) if writing => {
@@ -533,7 +600,9 @@ impl Filesystem for SnapshotFs {
                     }
                     Some(Staged::Published) => {
                         // Published; opening works (stat, fstat), reads answer ESTALE.
-                        reply.opened(FileHandle(ino.0), FopenFlags::empty());
+                        // Direct I/O: the kernel takes it beside files of the inode still
+                        // open in passthrough, where a cached open would fail with EIO.
+                        reply.opened(FileHandle(ino.0), FopenFlags::FOPEN_DIRECT_IO);
                         return;
                     }
                     Some(Staged::Dir) | None => {}
@@ -565,7 +634,7 @@ impl Filesystem for SnapshotFs {
         let t = &self.core.table;
         let Some(index) = t.file_index(ino.0) else {
             match self.core.writes.as_ref().and_then(|w| staged_file(w, ino.0)) {
-                Some(Staged::File(f)) => {
+                Some(Staged::File(f, _)) => {
                     let core = self.core.clone();
                     self.core.pool.submit(move || {
                         let mut buf = vec![0u8; size as usize];
@@ -648,7 +717,7 @@ impl Filesystem for SnapshotFs {
             return;
         };
         let file = match staged_file(w, ino.0) {
-            Some(Staged::File(f)) => Some(f),
+            Some(Staged::File(f, _)) => Some(f),
             Some(Staged::Dir) => None,
             Some(Staged::Published) => {
                 reply.error(Errno::EROFS);
@@ -836,7 +905,7 @@ impl Filesystem for SnapshotFs {
             reply.error(Errno::EEXIST);
             return;
         }
-        let (op, changes) = {
+        let (op, mark) = {
             let o = w.lock();
             let tbl = &self.core.table;
             let target = |p: Option<String>| match p {
@@ -852,7 +921,7 @@ impl Filesystem for SnapshotFs {
                         staged: f.staged.clone(),
                         uploaded: f.at_spoke,
                     },
-                    f.changes,
+                    f.mark(),
                 ),
                 Some(Node { kind: Kind::File(_), .. }) => {
                     drop(o);
@@ -885,7 +954,7 @@ impl Filesystem for SnapshotFs {
                 let _ = std::fs::remove_file(&f.staged);
             }
             o.rename(ino, newparent.0, &to_name);
-            uploaded(&core.table, &mut o, ino, changes, answer.committed);
+            uploaded(&core.table, &mut o, ino, mark, answer.committed);
             drop(o);
             reply.ok();
         });
@@ -932,6 +1001,7 @@ impl Filesystem for SnapshotFs {
         let made = File::options().read(true).write(true).create_new(true).open(&staged);
         match made {
             Ok(f) => {
+                let backing = self.backing(w, &f, &reply);
                 let node = o.nodes.get_mut(&ino).expect("just added");
                 node.kind = Kind::File(Written {
                     staged,
@@ -940,16 +1010,16 @@ impl Filesystem for SnapshotFs {
                     changes: 1, // even an empty file is uploaded at its close
                     uploaded: 0,
                     at_spoke: false,
+                    backing: backing.clone(),
+                    stamp: None,
                 });
                 let a = self.node_attr(ino, node);
                 drop(o);
-                reply.created(
-                    &Duration::ZERO,
-                    &a,
-                    Generation(0),
-                    FileHandle(ino),
-                    FopenFlags::empty(),
-                );
+                let (ttl, fh, flags) = (Duration::ZERO, FileHandle(ino), FopenFlags::empty());
+                match backing {
+                    Some(b) => reply.created_passthrough(&ttl, &a, Generation(0), fh, flags, &b),
+                    None => reply.created(&ttl, &a, Generation(0), fh, flags),
+                }
             }
             Err(e) => {
                 o.remove(ino);
@@ -980,7 +1050,7 @@ impl Filesystem for SnapshotFs {
             return;
         };
         let f = match staged_file(w, ino.0) {
-            Some(Staged::File(f)) => f,
+            Some(Staged::File(f, _)) => f,
             Some(Staged::Dir) => {
                 reply.error(Errno::EISDIR);
                 return;

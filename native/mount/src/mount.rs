@@ -28,7 +28,7 @@ use crate::shortcircuit::{ScConfig, ShortCircuit};
 use crate::sysmount::SysMount;
 use crate::table::{Columns, InodeTable, TableError};
 use crate::units::{DEFAULT_CAPACITY, PREFETCH, UnitReader};
-use crate::writes::{Answer, Ask, Writes};
+use crate::writes::{Answer, Ask, Writes, fine_grained_times};
 
 /// Writer threads of a writable mount: closes and fsyncs waiting for their uploads at once.
 const WRITE_THREADS: usize = 16;
@@ -68,6 +68,9 @@ pub struct MountConfig {
     pub unit_capacity: u64,
     /// Set: a writable mount, its new files staged in this folder (which must exist).
     pub staging: Option<PathBuf>,
+    /// New files in kernel passthrough where the kernel and the staging folder allow it
+    /// (`crate::writes`); false: every write goes through this process.
+    pub write_passthrough: bool,
 }
 
 impl MountConfig {
@@ -108,6 +111,7 @@ impl MountConfig {
             connections: 32,
             unit_capacity: DEFAULT_CAPACITY,
             staging: None,
+            write_passthrough: true,
         }
     }
 }
@@ -244,11 +248,29 @@ impl Mount {
                 )));
             }
             // One thread per close or fsync waiting for its upload: ranks save at once.
-            Some(dir) => Some(Arc::new(
-                Writes::new(dir.clone(), table.inode_count() + 1, WRITE_THREADS).map_err(|e| {
-                    MountError::Mount(format!("cannot start the write threads: {e}"))
-                })?,
-            )),
+            Some(dir) => {
+                let passthrough = cfg.write_passthrough && {
+                    let fine = fine_grained_times(dir);
+                    if !fine {
+                        events.log(
+                            Level::Info,
+                            format!(
+                                "writes go through the mount: {} does not give every \
+                                     write a new ctime (no multigrain timestamps: Linux \
+                                     6.13 or later, ext4, xfs, btrfs or tmpfs)",
+                                dir.display()
+                            ),
+                        );
+                    }
+                    fine
+                };
+                let first = table.inode_count() + 1;
+                Some(Arc::new(
+                    Writes::new(dir.clone(), first, WRITE_THREADS, passthrough).map_err(|e| {
+                        MountError::Mount(format!("cannot start the write threads: {e}"))
+                    })?,
+                ))
+            }
             None => None,
         };
         let core = Arc::new(Core {
@@ -437,6 +459,7 @@ impl Mount {
             ("write_bytes", ld(&c.write_bytes)),
             ("uploads", ld(&c.uploads)),
             ("upload_errors", ld(&c.upload_errors)),
+            ("passthrough_files", ld(&c.passthrough_files)),
         ];
         if let Some(sc) = &self.core.sc {
             let s = &sc.stats;

@@ -14,13 +14,26 @@
 //! `close()` and `fsync()` return once the spoke holds the bytes durably, and other requests
 //! go on meanwhile. A committed file's staging copy is dropped (the hub and the spoke hold
 //! it); it stays listed and reads of it answer ESTALE (it is in a newer snapshot).
+//!
+//! **Kernel passthrough.** Where the kernel lets it (FUSE passthrough: Linux 6.9 and later,
+//! a mount by root), a file this mount creates is opened in passthrough: the kernel reads
+//! and writes its staging file itself, so a write costs what a write to local disk costs and
+//! never wakes this process. This mount then sees no write; it knows a file changed by its
+//! staging file's [`Stamp`] (size, mtime, ctime), which is exact only where the staging
+//! folder's filesystem gives a new ctime to every write after a stat (multigrain
+//! timestamps: ext4, xfs, btrfs, tmpfs from Linux 6.13). [`fine_grained_times`] checks that
+//! when the mount starts; where it fails, writes go through this process as before.
 
 use std::collections::{HashMap, VecDeque};
 use std::fs::File;
-use std::path::PathBuf;
+use std::os::unix::fs::{FileExt, MetadataExt};
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::mpsc::{SyncSender, sync_channel};
 use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 use std::time::{Duration, SystemTime};
+
+use fuser::BackingId;
 
 use crate::pool::Pool;
 use crate::table::InodeTable;
@@ -130,12 +143,69 @@ pub struct Written {
     pub uploaded: u64,
     /// An upload of it exists at the spoke (to discard if it is unlinked).
     pub at_spoke: bool,
+    /// Set while the kernel reads and writes the staging file itself (passthrough): every
+    /// open of the file then answers with it (the kernel refuses an inode opened both ways).
+    pub backing: Option<Arc<BackingId>>,
+    /// The staging file's stamp when the last upload began (passthrough files).
+    pub stamp: Option<Stamp>,
 }
 
 impl Written {
+    /// Changes the spoke does not hold: counted, or (passthrough, where writes are not seen)
+    /// a staging file whose stamp moved since the last upload began.
     pub fn dirty(&self) -> bool {
         self.changes != self.uploaded
+            || (self.backing.is_some()
+                && self.file.as_ref().is_some_and(|f| Stamp::of(f) != self.stamp))
     }
+
+    /// What the next upload starts from: the changes counted and the staging file's stamp.
+    pub fn mark(&self) -> (u64, Option<Stamp>) {
+        let stamp = if self.backing.is_some() {
+            self.file.as_ref().and_then(|f| Stamp::of(f))
+        } else {
+            None
+        };
+        (self.changes, stamp)
+    }
+}
+
+/// A staging file's size, mtime and ctime.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Stamp {
+    len: u64,
+    mtime: (i64, i64),
+    ctime: (i64, i64),
+}
+
+impl Stamp {
+    pub fn of(f: &File) -> Option<Stamp> {
+        let m = f.metadata().ok()?;
+        Some(Stamp {
+            len: m.len(),
+            mtime: (m.mtime(), m.mtime_nsec()),
+            ctime: (m.ctime(), m.ctime_nsec()),
+        })
+    }
+}
+
+/// Whether every write to a file in `dir` that follows a stat of it gets a new ctime (so a
+/// [`Stamp`] sees every change): eight one-byte writes, each stat'ed, must give eight ctimes.
+/// Coarse timestamps (one per clock tick) give the same one to writes microseconds apart.
+pub fn fine_grained_times(dir: &Path) -> bool {
+    let probe = dir.join(format!(".stamp-probe-{}", std::process::id()));
+    let Ok(f) = File::options().read(true).write(true).create_new(true).open(&probe) else {
+        return false;
+    };
+    let _ = std::fs::remove_file(&probe);
+    let mut seen = Vec::with_capacity(8);
+    for i in 0..8u8 {
+        match (f.write_all_at(&[i], 0), Stamp::of(&f)) {
+            (Ok(()), Some(s)) if !seen.contains(&s.ctime) => seen.push(s.ctime),
+            _ => return false,
+        }
+    }
+    true
 }
 
 #[derive(Debug)]
@@ -229,6 +299,8 @@ impl Overlay {
                 && !w.dirty()
                 && w.file.take().is_some()
             {
+                // Opens that come now answer without it (the files open keep theirs).
+                w.backing = None;
                 gone.push(w.staged.clone());
             }
         }
@@ -243,16 +315,30 @@ pub struct Writes {
     pub overlay: Mutex<Overlay>,
     pub queue: Arc<Queue>,
     pub pool: Pool,
+    /// New files are opened in kernel passthrough: asked for (the staging folder's times
+    /// fine-grained), then granted by the kernel at the session's start; cleared if the
+    /// kernel refuses a backing file (a mount without CAP_SYS_ADMIN).
+    pub passthrough: AtomicBool,
 }
 
 impl Writes {
-    pub fn new(staging: PathBuf, first_ino: u64, threads: usize) -> std::io::Result<Writes> {
+    pub fn new(
+        staging: PathBuf,
+        first_ino: u64,
+        threads: usize,
+        passthrough: bool,
+    ) -> std::io::Result<Writes> {
         Ok(Writes {
             staging,
             overlay: Mutex::new(Overlay::new(first_ino)),
             queue: Arc::new(Queue::default()),
             pool: Pool::new(threads, "spokefs-write")?,
+            passthrough: AtomicBool::new(passthrough),
         })
+    }
+
+    pub fn passthrough(&self) -> bool {
+        self.passthrough.load(Ordering::Relaxed)
     }
 
     pub fn lock(&self) -> MutexGuard<'_, Overlay> {
@@ -302,6 +388,23 @@ mod tests {
     }
 
     #[test]
+    fn the_stamp_probe_answers_for_the_folder_it_is_given() {
+        // A folder that cannot be written cannot be vouched for.
+        assert!(!fine_grained_times(std::path::Path::new("/proc")));
+        let dir = std::env::temp_dir();
+        if fine_grained_times(&dir) {
+            // Vouched for: a same-size overwrite right after a stat moves the stamp.
+            let path = dir.join(format!("spokefs-stamp-{}", std::process::id()));
+            let f = File::create(&path).unwrap();
+            f.write_all_at(b"abcd", 0).unwrap();
+            let before = Stamp::of(&f);
+            f.write_all_at(b"wxyz", 0).unwrap();
+            assert_ne!(Stamp::of(&f), before);
+            std::fs::remove_file(&path).unwrap();
+        }
+    }
+
+    #[test]
     fn overlay_paths_renames_and_commits() {
         let cols = crate::table::Columns {
             paths: vec!["d/x".into()],
@@ -325,6 +428,8 @@ mod tests {
             changes,
             uploaded,
             at_spoke: true,
+            backing: None,
+            stamp: None,
         };
         let a = o.add(Node {
             parent: dir,

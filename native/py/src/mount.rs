@@ -59,7 +59,7 @@ impl PyMount {
                         dataset, snapshot, base_url, token=None, deadline_s=30.0, options,
                         uid=0, gid=0, created_ns=0, short_circuit=None, workers=32,
                         connections=32, file_uid=None, file_gid=None, file_mode=None,
-                        dir_mode=None, staging=None))]
+                        dir_mode=None, staging=None, write_passthrough=true))]
     #[allow(clippy::too_many_arguments)]
     fn new(
         py: Python<'_>,
@@ -88,6 +88,7 @@ impl PyMount {
         file_mode: Option<u32>,
         dir_mode: Option<u32>,
         staging: Option<PathBuf>,
+        write_passthrough: bool,
     ) -> PyResult<PyMount> {
         if !(deadline_s.is_finite() && deadline_s > 0.0) {
             return Err(project_error(
@@ -111,6 +112,7 @@ impl PyMount {
         cfg.workers = workers;
         cfg.connections = connections;
         cfg.staging = staging;
+        cfg.write_passthrough = write_passthrough;
         let cols = Columns { paths, sizes, modes, mtimes_ns, versions, dirs };
         let inner = py.detach(|| Mount::new(cfg, cols)).map_err(|e| mount_error(py, e))?;
         Ok(PyMount { inner })

@@ -98,6 +98,11 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="with --writable: the file whose arrival publishes its folder "
                    "(default .metadata, what torch.distributed.checkpoint writes last; "
                    "'' for none: spokefs ckpt commit publishes)")
+    m.add_argument("--write-passthrough", choices=("auto", "off"), default="auto",
+                   help="with --writable: auto (the default) lets the kernel write new files "
+                   "straight to their staging files (FUSE passthrough; a mount by root on "
+                   "Linux 6.13 or later), so a write costs what a local write does; off sends "
+                   "every write through the mount (docs/checkpoints.md)")
     m.add_argument("--engine", choices=("auto", "native", "python"), default="auto",
                    help="what serves the mount: native (a Rust FUSE daemon; plain http, no "
                    "--cache-dir), python (pyfuse3; everything), or auto (native when it can, "
@@ -140,7 +145,8 @@ def _mount(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
                         read_ahead_kb=args.read_ahead_kb or DEFAULT_READ_AHEAD_KB,
                         short_circuit=not args.no_short_circuit,
                         spoke_cache=args.spoke_cache, engine=args.engine, writable=args.writable,
-                        commit_marker=args.commit_marker or None, uid=args.uid,
+                        commit_marker=args.commit_marker or None,
+                        write_passthrough=args.write_passthrough == "auto", uid=args.uid,
                         gid=args.gid, file_mode=args.file_mode, dir_mode=args.dir_mode,
                         extra_options=tuple(extra), pins=tuple(args.pin or ()),
                         metrics_port=args.metrics_port, metrics_addr=args.metrics_addr)

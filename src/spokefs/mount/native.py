@@ -176,7 +176,8 @@ async def serve_native(opts: MountOptions, mountpoint: Path, source: UpstreamSou
         file_gid=opts.gid, file_mode=opts.file_mode,
         # New files go into the snapshot's folders: writable to their owner.
         dir_mode=opts.dir_mode if opts.dir_mode is not None or not opts.writable else 0o755,
-        staging=None if staging is None else str(staging))
+        staging=None if staging is None else str(staging),
+        write_passthrough=opts.write_passthrough)
     writes = None
     if uploader is not None:
         from spokefs.client.handoff import socket_path
@@ -220,6 +221,7 @@ async def serve_native(opts: MountOptions, mountpoint: Path, source: UpstreamSou
             raise ConfigError(f"{mountpoint} did not come up as a spokefs mount")
         # Only now: the kernel sets readahead from INIT, which the first request completes.
         ra = sysfs.set_read_ahead_kb(mountpoint, opts.read_ahead_kb)
+        _drain(mount)  # what the session's start said (the way writes go) comes before ready
         on_ready(f"spokefs mount ready: {dataset}@{snapshot} at {mountpoint} "
                  f"({mount.file_count} files, {format_size(mount.total_bytes)}, engine=native, "
                  f"read_ahead_kb={ra if ra is not None else 'unchanged'}"
