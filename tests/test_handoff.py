@@ -227,3 +227,37 @@ def test_a_file_written_while_it_is_copied_in_is_refused_whole(site: Site,
     with open(big, "rb") as f:
         assert (got["size"], got["version"]) == file_version(f, BLOCK)
     assert [u["whole"] for u in _held(site)] == [True]
+
+
+def test_fsspec_writes_on_the_spokes_host_are_handed_over(
+        site: Site, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``spokefs://`` files closed on the spoke's host go by descriptor where the writer is
+    told the spoke's cache folder (a write token is not shown it), and are published whole;
+    a folder that is not the spoke's (no key of its user) is not trusted: a socket listening
+    there is never shown the token, and the files go over HTTP."""
+    import fsspec
+
+    assert site.spoke is not None
+    monkeypatch.setenv("SPOKEFS_TOKEN", WRITER)
+    url = f"spokefs://{site.spoke.hostport}/ckpt"
+    shards = {f"__{i}_0.distcp": os.urandom(BLOCK + 100 * i) for i in range(3)}
+    planted = tmp_path / "planted"
+    planted.mkdir()
+    with socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET) as trap:
+        trap.bind(str(socket_path(planted)))
+        trap.listen()
+        for step, options, handed in (("s1", {}, 0),
+                                      ("s2", {"spoke_cache": str(planted)}, 0),
+                                      ("s3", {"spoke_cache": str(tmp_path / "cache")}, 4)):
+            before = handoffs(site)
+            fs = fsspec.filesystem("spokefs", skip_instance_cache=True, **options)
+            for name, data in [*shards.items(), (".metadata", b"meta")]:
+                with fs.open(f"{url}/{step}/{name}", "wb") as f:
+                    f.write(data)
+            assert handoffs(site) - before == handed, step
+            assert site.writer().wait_safe(f"{step}/", timeout=60)
+            for name, data in shards.items():
+                assert (site.ckpt / step / name).read_bytes() == data
+        trap.setblocking(False)
+        with pytest.raises(BlockingIOError):
+            trap.accept()  # nobody connected

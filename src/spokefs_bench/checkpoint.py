@@ -96,6 +96,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--work-dir", type=Path, default=None, metavar="DIR",
                    help="where the hub's folder, the spoke's cache and the local saves go "
                    "(default: a temporary folder, removed after)")
+    p.add_argument("--mount-arg", action="append", default=[], metavar="ARG",
+                   help="an argument for the writable mount, as --mount-arg=--write-"
+                   "passthrough=off (repeat for more)")
     p.set_defaults(func=run)
 
 
@@ -286,9 +289,9 @@ def _wan_down(wan: Any) -> int:
 
 # -- the mount -------------------------------------------------------------------------------
 @contextlib.contextmanager
-def _writable_mount(url: str, mp: Path, log: Path) -> Iterator[Path | None]:
-    """``spokefs mount URL MP --writable`` (None, with why printed, where FUSE is not usable
-    here), unmounted after."""
+def _writable_mount(url: str, mp: Path, log: Path, *extra: str) -> Iterator[Path | None]:
+    """``spokefs mount URL MP --writable EXTRA`` (None, with why printed, where FUSE is not
+    usable here), unmounted after."""
     from spokefs.mount.process import fuse_unusable
 
     why = fuse_unusable(need_pyfuse3=False)
@@ -296,7 +299,7 @@ def _writable_mount(url: str, mp: Path, log: Path) -> Iterator[Path | None]:
         print(f"mount: skipped ({why}); the spokefs:// save stands in", flush=True)
         yield None
         return
-    with spokefs_mount(url, mp, log, "--writable"):  # RuntimeError, saying why, if not
+    with spokefs_mount(url, mp, log, "--writable", *extra):  # RuntimeError, saying why, if not
         yield mp
 
 
@@ -382,8 +385,8 @@ def _bench(args: argparse.Namespace, work: Path) -> dict[str, Any]:
         timed("local", str(work / "local" / "step-0"))
         host = spoke.hostport
         restored = "step-1"  # the checkpoint the restores read: the mount's, else fsspec's
-        with _writable_mount(f"{spoke.url}/ckpt", work / "mnt", work / "logs" / "mount.log"
-                             ) as mp:
+        with _writable_mount(f"{spoke.url}/ckpt", work / "mnt", work / "logs" / "mount.log",
+                             *args.mount_arg) as mp:
             if mp is not None:
                 mount_pid[0] = _mount_pid(mp)
                 timed("mount", str(mp / "step-1"))
@@ -449,7 +452,7 @@ def _bench(args: argparse.Namespace, work: Path) -> dict[str, Any]:
     return {
         "benchmark": "checkpoint", "machine": machine(),
         "params": {"size": args.size, "writers": args.writers, "rtt_s": args.rtt,
-                   "bandwidth": args.bandwidth},
+                   "bandwidth": args.bandwidth, "mount_args": args.mount_arg},
         "saves": saves, "restores": restores, "restored": restored,
         "floor_s": round(floor, 3),
         "save_block_ratio_local": round(via["seconds"] / local, 3),

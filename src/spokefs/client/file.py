@@ -105,6 +105,7 @@ def _open_write(url: str, mode: str, buffering: int, deadline: float) -> io.IOBa
         raise NotFound(f"{url} names a dataset, not a file")
     up = Uploader(u.base, u.dataset, deadline=deadline)
     up.check_writable()  # a read-only dataset fails here, not at close
+    up.find_handoff()  # on the spoke's host: handed over by descriptor, not sent
 
     def publish(path: str, staged: Path) -> None:
         staged.unlink(missing_ok=True)

@@ -21,7 +21,9 @@ of every upload under that folder, every rank's included. So ``dcp.save(state,
 storage_writer=FsspecWriter("spokefs://spoke:8471/ckpt/step-100"))`` publishes step-100
 whole. ``mv`` and ``rm`` take only files this filesystem wrote and has not yet committed
 (it keeps those of at most ``KEEP_FOR_RENAME`` bytes for a rename); ``makedirs`` does
-nothing (a folder appears with its files).
+nothing (a folder appears with its files). On the spoke's own host a closed file is handed
+to the spoke by descriptor instead of sent (``spokefs.client.handoff``): where the spoke's
+status names its cache folder to the token, or ``spoke_cache=DIR`` says where it is.
 """
 
 from __future__ import annotations
@@ -45,11 +47,13 @@ class SpokeFileSystem(AbstractFileSystem):
     root_marker = ""
 
     def __init__(self, deadline: float = 30.0, use_https: bool = False,
-                 commit_marker: str | None = ".metadata", **kwargs: Any) -> None:
+                 commit_marker: str | None = ".metadata", spoke_cache: str | None = None,
+                 **kwargs: Any) -> None:
         super().__init__(**kwargs)
         self.deadline = deadline
         self.use_https = use_https
         self.commit_marker = commit_marker
+        self.spoke_cache = None if spoke_cache is None else Path(spoke_cache)
         self._manifests: dict[tuple[str, str, str], Manifest] = {}
         # Written here, not yet committed: (base, dataset, path) -> the staged copy, or None
         # once dropped (too large to keep for a rename).
@@ -143,6 +147,7 @@ class SpokeFileSystem(AbstractFileSystem):
         if up is None:
             up = Uploader(u.base, u.dataset, deadline=self.deadline)
             up.check_writable()  # a read-only dataset fails at open, not at close
+            up.find_handoff(self.spoke_cache)  # on the spoke's host: by descriptor
             self._uploaders[(u.base, u.dataset)] = up
         return up, u
 

@@ -21,9 +21,12 @@ from __future__ import annotations
 import json
 import socket
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from spokefs.errors import from_status
+from spokefs.errors import SpokeError, Transient, from_status
+
+if TYPE_CHECKING:
+    from spokefs.client.sync import Client
 
 SOCKET_NAME = "handoff.sock"  # in the spoke's cache folder
 MAX_MESSAGE = 64 << 10        # bytes of one request or answer
@@ -38,6 +41,30 @@ class HandoffUnavailable(OSError):
 
 def socket_path(cache_dir: str | Path) -> Path:
     return Path(cache_dir) / SOCKET_NAME
+
+
+def find_socket(client: Client, spoke_cache: Path | None = None) -> Path | None:
+    """The handoff socket of the spoke ``client`` speaks to, if it runs on this host: its
+    cache folder (``spoke_cache``, else the one its status names to this token) holds the
+    spoke's id and passes the short circuit's test of a folder only the spoke's user can
+    write (a socket in a folder anyone could write to would be shown the token). None
+    otherwise, and puts go over HTTP."""
+    from spokefs.cache.shared import SharedCache
+
+    try:
+        status = client.get_json("/v1/status")
+    except (Transient, SpokeError):
+        return None
+    info = status.get("cache") if status.get("role") == "spoke" else None
+    if not isinstance(info, dict) or not info.get("id"):
+        return None  # a hub: written to directly
+    where = spoke_cache or (Path(str(info["dir"])) if info.get("dir") else None)
+    if where is None:
+        return None
+    cache = SharedCache(where, str(info["id"]))
+    if not cache.usable() or cache.trusted_key() is None:
+        return None
+    return socket_path(where)
 
 
 def hand_off(sock_path: Path, token: str | None, dataset: str, path: str, fd: int,

@@ -10,12 +10,14 @@ publishes them together as a new snapshot (the hub's side: ``spokefs.hub.uploads
 then sends it from the bytes the hub already holds: a put that broke off, or one run again
 after a crash, sends only the rest. A file changed while it was sent is refused by the hub
 (422: its bytes are not the version declared) and sent again from its new content, up to
-``tries`` times.
+``tries`` times. On a spoke's own host (``handoff``: its socket, ``find_handoff``) ``put``
+gives the spoke the file's descriptor instead of sending its bytes (``client.handoff``).
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import os
 import time
 from collections.abc import Callable
@@ -25,18 +27,24 @@ from typing import Any, BinaryIO
 from urllib.parse import quote
 
 from spokefs import integrity
+from spokefs.client import handoff as same_host
 from spokefs.client.sync import Client
 from spokefs.errors import (
     Conflict,
     DigestMismatch,
     Forbidden,
+    NoSpace,
     NotFound,
+    SpokeError,
     Transient,
+    Unauthorized,
     UpstreamUnavailable,
 )
 from spokefs.retry import UPSTREAM
-from spokefs.wire.auth import FROM_ENV
+from spokefs.wire.auth import FROM_ENV, client_token
 from spokefs.wire.headers import H_OFFSET, H_SIZE, H_VERSION
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True, slots=True)
@@ -48,6 +56,7 @@ class Sent:
     size: int
     version: str
     sent: int
+    handed: bool = False  # given to the spoke by descriptor, not sent over HTTP
 
 
 def file_version(f: BinaryIO, block_size: int) -> tuple[int, str]:
@@ -59,10 +68,20 @@ def file_version(f: BinaryIO, block_size: int) -> tuple[int, str]:
 
 class Uploader:
     def __init__(self, hub: str, dataset: str, token: str | object | None = FROM_ENV,
-                 deadline: float = 60.0, timeout: float = 300.0) -> None:
-        self.client = Client(hub, deadline=deadline, timeout=timeout, token=token)
+                 deadline: float = 60.0, timeout: float = 300.0,
+                 handoff: Path | None = None) -> None:
+        self.token = client_token() if token is FROM_ENV else token
+        self.client = Client(hub, deadline=deadline, timeout=timeout, token=self.token)
         self.dataset = dataset
+        # The spoke's handoff socket where it runs on this host; None: puts go over HTTP.
+        self.handoff = handoff
         self._block_size: int | None = None
+
+    def find_handoff(self, spoke_cache: Path | None = None) -> Path | None:
+        """Hand files to the spoke by descriptor from now on if it runs on this host
+        (``client.handoff.find_socket``); the socket, or None."""
+        self.handoff = same_host.find_socket(self.client, spoke_cache)
+        return self.handoff
 
     @property
     def block_size(self) -> int:
@@ -101,7 +120,11 @@ class Uploader:
     def put(self, path: str, source: Path, tries: int = 3,
             progress: Callable[[int], object] | None = None) -> Sent:
         """``source``'s bytes as ``path``, whole and checked at the hub (not yet published:
-        ``commit``). ``progress``: called with the count of each piece sent."""
+        ``commit``): handed to the spoke by descriptor where it is on this host, else (or
+        where it cannot take it) sent. ``progress``: called with the count of each piece
+        sent."""
+        if self.handoff is not None and (handed := self._hand_off(path, source)) is not None:
+            return handed
         with open(source, "rb") as f:
             for attempt in range(tries):
                 size, version = file_version(f, self.block_size)
@@ -111,6 +134,28 @@ class Uploader:
                     if attempt == tries - 1:
                         raise
         raise AssertionError("unreachable")
+
+    def _hand_off(self, path: str, source: Path) -> Sent | None:
+        """``source`` held whole by the spoke by descriptor; None to send it over HTTP (no
+        spoke on the socket, or one that would not read it: nothing is held of it then)."""
+        assert self.handoff is not None
+        with open(source, "rb") as f:
+            size = os.fstat(f.fileno()).st_size
+            try:
+                doc = same_host.hand_off(self.handoff, self.token if isinstance(self.token, str)
+                                         else None, self.dataset, path, f.fileno(), size)
+            except same_host.HandoffUnavailable as exc:
+                log.info("%s goes over HTTP: %s", path, exc)
+                return None
+            except (Unauthorized, Forbidden, NoSpace, NotFound):
+                raise  # what the HTTP route would answer too
+            except (SpokeError, Transient) as exc:
+                # A descriptor the spoke would not read, a file changed, a check that timed
+                # out: HTTP, with its own retries, depends on none of that.
+                log.warning("the spoke did not take %s by handoff (%s); sending it over HTTP",
+                            path, exc)
+                return None
+        return Sent(path, size, str(doc["version"]), 0, handed=True)
 
     def _send(self, path: str, f: BinaryIO, size: int, version: str,
               progress: Callable[[int], object] | None) -> Sent:

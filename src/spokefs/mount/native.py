@@ -183,9 +183,10 @@ async def serve_native(opts: MountOptions, mountpoint: Path, source: UpstreamSou
         from spokefs.client.handoff import socket_path
         from spokefs.mount.writes import MountWrites
 
-        # On the spoke's host, finished files are handed to it by descriptor.
-        handoff = socket_path(sc["cache_dir"]) if sc is not None else None
-        writes = MountWrites(mount, uploader, opts.commit_marker, handoff, client_token())
+        # On the spoke's host (the short circuit found its cache folder), finished files
+        # are handed to it by descriptor.
+        uploader.handoff = socket_path(sc["cache_dir"]) if sc is not None else None
+        writes = MountWrites(mount, uploader, opts.commit_marker)
     dataset, snapshot = m.dataset, m.snapshot
     del m, manifest
     await source.close()  # the setup's HTTP clients; the daemon has its own

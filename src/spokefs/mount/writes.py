@@ -15,14 +15,12 @@ from __future__ import annotations
 
 import errno
 import logging
-import os
 import posixpath
 import threading
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
-from spokefs.client.handoff import HandoffUnavailable, hand_off
 from spokefs.client.uploads import Uploader
 from spokefs.errors import (
     Conflict,
@@ -30,7 +28,6 @@ from spokefs.errors import (
     NoSpace,
     NotFound,
     SpokeError,
-    Transient,
     Unauthorized,
 )
 
@@ -58,14 +55,10 @@ def errno_of(exc: BaseException) -> int:
 class MountWrites:
     """Answers one native mount's write requests until the mount is closed."""
 
-    def __init__(self, mount: Any, uploader: Uploader, commit_marker: str | None,
-                 handoff: Path | None = None, token: str | None = None) -> None:
+    def __init__(self, mount: Any, uploader: Uploader, commit_marker: str | None) -> None:
         self.mount = mount
-        self.up = uploader
+        self.up = uploader  # its handoff set where the spoke is on this host
         self.marker = commit_marker
-        # The spoke's handoff socket when it runs on this host (the short circuit found its
-        # cache folder), and the token it is shown; None: every file goes over HTTP.
-        self.handoff, self.token = handoff, token
         # Files handed over by descriptor, and sent over HTTP (for the log at unmount).
         self.handed = self.sent = 0
         self._counted = threading.Lock()  # the upload threads count together
@@ -115,27 +108,12 @@ class MountWrites:
     def _put(self, path: str, staged: Path) -> None:
         """``staged`` held whole by the spoke as ``path``: handed over by descriptor where
         the spoke is on this host, else (or where it cannot take it) sent over HTTP."""
-        if self.handoff is not None:
-            with open(staged, "rb") as f:
-                try:
-                    hand_off(self.handoff, self.token, self.up.dataset, path, f.fileno(),
-                             os.fstat(f.fileno()).st_size)
-                    with self._counted:
-                        self.handed += 1
-                    return
-                except HandoffUnavailable as exc:
-                    log.info("mount: %s goes over HTTP: %s", path, exc)
-                except (Unauthorized, Forbidden, NoSpace, NotFound):
-                    raise  # what the HTTP route would answer too
-                except (SpokeError, Transient) as exc:
-                    # A descriptor the spoke would not read, a file changed, a check that
-                    # timed out: nothing is held of it at the spoke, and HTTP (with its own
-                    # retries) does not depend on any of that.
-                    log.warning("mount: the spoke did not take %s by handoff (%s); sending it "
-                                "over HTTP", path, exc)
-        self.up.put(path, staged)
+        sent = self.up.put(path, staged)
         with self._counted:
-            self.sent += 1
+            if sent.handed:
+                self.handed += 1
+            else:
+                self.sent += 1
 
     def _discard(self, path: str) -> None:
         try:
