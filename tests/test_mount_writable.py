@@ -196,6 +196,8 @@ def test_a_change_right_after_an_fsync_is_uploaded_at_close(tmp_path: Path, pass
             try:
                 os.write(fd, first)
                 os.fsync(fd)                # uploaded: the spoke holds `first`
+                held = {u["path"]: u for u in site.writer().writeback()["uploads"]}
+                assert held["s/a.distcp"]["whole"] and held["s/a.distcp"]["size"] == len(first)
                 os.pwrite(fd, second, 0)    # then overwritten, the size unchanged
             finally:
                 os.close(fd)                # uploaded again
