@@ -48,7 +48,7 @@ class Mount:
                  connections: int = 32, file_uid: int | None = None,
                  file_gid: int | None = None, file_mode: int | None = None,
                  dir_mode: int | None = None, staging: str | None = None,
-                 write_passthrough: bool = True) -> None: ...
+                 write_passthrough: bool = False) -> None: ...
     def take_writes(self, timeout_s: float) -> list[
             tuple[int, str, str, str | None, str | None, bool]] | None:
         """A writable mount's requests (``staging`` given): (id, "put", path, None, staged,

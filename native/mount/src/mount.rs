@@ -111,7 +111,7 @@ impl MountConfig {
             connections: 32,
             unit_capacity: DEFAULT_CAPACITY,
             staging: None,
-            write_passthrough: true,
+            write_passthrough: false,
         }
     }
 }

@@ -59,7 +59,7 @@ impl PyMount {
                         dataset, snapshot, base_url, token=None, deadline_s=30.0, options,
                         uid=0, gid=0, created_ns=0, short_circuit=None, workers=32,
                         connections=32, file_uid=None, file_gid=None, file_mode=None,
-                        dir_mode=None, staging=None, write_passthrough=true))]
+                        dir_mode=None, staging=None, write_passthrough=false))]
     #[allow(clippy::too_many_arguments)]
     fn new(
         py: Python<'_>,

@@ -98,11 +98,13 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="with --writable: the file whose arrival publishes its folder "
                    "(default .metadata, what torch.distributed.checkpoint writes last; "
                    "'' for none: spokefs ckpt commit publishes)")
-    m.add_argument("--write-passthrough", choices=("auto", "off"), default="auto",
-                   help="with --writable: auto (the default) lets the kernel write new files "
-                   "straight to their staging files (FUSE passthrough; a mount by root on "
-                   "Linux 6.13 or later), so a write costs what a local write does; off sends "
-                   "every write through the mount (docs/checkpoints.md)")
+    m.add_argument("--write-passthrough", choices=("auto", "off"), default="off",
+                   help="with --writable: auto lets the kernel write new files straight to "
+                   "their staging files (FUSE passthrough; a mount by root on Linux 6.13 or "
+                   "later), so a write costs what a local write does; off (the default, until "
+                   "writes through a descriptor still open after the commit and shared-mmap "
+                   "writes are handled) sends every write through the mount "
+                   "(docs/checkpoints.md)")
     m.add_argument("--engine", choices=("auto", "native", "python"), default="auto",
                    help="what serves the mount: native (a Rust FUSE daemon; plain http, no "
                    "--cache-dir), python (pyfuse3; everything), or auto (native when it can, "

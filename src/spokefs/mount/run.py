@@ -55,7 +55,7 @@ class MountOptions:
     engine: str = "auto"               # auto, native (Rust daemon), python (spokefs.mount.native)
     writable: bool = False             # new files may be written (native engine only)
     commit_marker: str | None = ".metadata"  # a writable mount publishes its folder on it
-    write_passthrough: bool = True     # the kernel writes new files' staging files itself
+    write_passthrough: bool = False    # the kernel writes new files' staging files itself
     uid: int | None = None             # what stat shows (None: the mounting user's)
     gid: int | None = None
     file_mode: int | None = None       # None: each file's own bits from the snapshot
