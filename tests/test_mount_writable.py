@@ -20,6 +20,17 @@ from test_writeback import WRITER, Site, _published, handoffs
 pytestmark = pytest.mark.skipif(fuse_unusable() is not None, reason=str(fuse_unusable()))
 
 
+def _started(tmp_path: Path) -> tuple[Site, Path]:
+    """A hub and a spoke started, and an empty mountpoint."""
+    site = Site(tmp_path)
+    site.start_hub()
+    site.start_spoke()
+    assert site.spoke is not None
+    mp = tmp_path / "mnt"
+    mp.mkdir()
+    return site, mp
+
+
 def _wait_published(site: Site, want: set[str], timeout: float = 30.0) -> dict[str, str]:
     t0 = time.monotonic()
     while time.monotonic() - t0 < timeout:
@@ -35,12 +46,7 @@ def test_a_checkpoint_written_through_the_mount_is_published_whole(tmp_path: Pat
                                                                     ) -> None:
     """On the spoke's host each closed file is handed to the spoke by descriptor; without
     the short circuit (another host, as far as the mount knows) it is sent over HTTP."""
-    site = Site(tmp_path)
-    site.start_hub()
-    site.start_spoke()
-    assert site.spoke is not None
-    mp = tmp_path / "mnt"
-    mp.mkdir()
+    site, mp = _started(tmp_path)
     shards = {f"__{i}_0.distcp": os.urandom(300_000 + i) for i in range(3)}
     try:
         with MountProcess(f"{site.spoke.url}/ckpt", mp, "--writable", "--engine", "native",
@@ -94,12 +100,7 @@ def test_a_checkpoint_written_through_the_mount_is_published_whole(tmp_path: Pat
 
 
 def test_writable_needs_a_writable_dataset(tmp_path: Path) -> None:
-    site = Site(tmp_path)
-    site.start_hub()
-    site.start_spoke()
-    assert site.spoke is not None
-    mp = tmp_path / "mnt"
-    mp.mkdir()
+    site, mp = _started(tmp_path)
     try:
         with pytest.raises(MountError, match="--writable: dataset 'ro' is read-only"), \
                 MountProcess(f"{site.spoke.url}/ro", mp, "--writable",
@@ -117,12 +118,7 @@ def test_a_mount_killed_mid_save_loses_no_closed_file(tmp_path: Path) -> None:
     from spokefs.mount import sysfs
     from spokefs.mount.process import unmount
 
-    site = Site(tmp_path)
-    site.start_hub()
-    site.start_spoke()
-    assert site.spoke is not None
-    mp = tmp_path / "mnt"
-    mp.mkdir()
+    site, mp = _started(tmp_path)
     shards = {f"__{i}_0.distcp": os.urandom(200_000 + i) for i in range(2)}
     m = MountProcess(f"{site.spoke.url}/ckpt", mp, "--writable", "--engine", "native",
                      env={"SPOKEFS_TOKEN": WRITER, "SPOKEFS_STAGING": str(tmp_path)})
@@ -178,12 +174,7 @@ def test_a_change_right_after_an_fsync_is_uploaded_at_close(tmp_path: Path, pass
     microseconds later included: in passthrough the kernel writes the staging file and the
     mount knows the change only by that file's stamp (its ctime). The log says which way
     the writes went."""
-    site = Site(tmp_path)
-    site.start_hub()
-    site.start_spoke()
-    assert site.spoke is not None
-    mp = tmp_path / "mnt"
-    mp.mkdir()
+    site, mp = _started(tmp_path)
     first, second = os.urandom(300_000), os.urandom(300_000)
     try:
         with MountProcess(f"{site.spoke.url}/ckpt", mp, "--writable", "--engine", "native",
